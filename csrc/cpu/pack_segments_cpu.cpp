@@ -1,0 +1,69 @@
+// CPU pack / unpack: the packed element space of all segments is cut into equal chunks
+// spread over threads, so one huge tensor and many small ones parallelise alike.
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "kernels/segments.h"
+#include "ops.h"
+
+namespace subnet_ext {
+namespace {
+
+constexpr int64_t kChunk = 1 << 16;  // elements per task: large runs keep memcpy at full speed
+
+// Calls fn(segment, begin, end) for the pieces of every segment inside packed range [lo, hi).
+template <typename Fn>
+void for_each_piece(const std::vector<SegmentDesc>& segs, const std::vector<int64_t>& starts, int64_t lo, int64_t hi,
+                    const Fn& fn) {
+  size_t s = std::upper_bound(starts.begin(), starts.end(), lo) - starts.begin() - 1;
+  for (; s < segs.size() && starts[s] < hi; ++s) {
+    const int64_t n = segment_numel(segs[s]);
+    const int64_t begin = std::max<int64_t>(lo - starts[s], 0), end = std::min<int64_t>(hi - starts[s], n);
+    if (begin < end) fn(s, begin, end);
+  }
+}
+
+template <typename Fn>
+void parallel_over_segments(const std::vector<SegmentDesc>& segs, const Fn& fn) {
+  std::vector<int64_t> starts(segs.size() + 1, 0);
+  for (size_t s = 0; s < segs.size(); ++s) starts[s + 1] = starts[s] + segment_numel(segs[s]);
+  at::parallel_for(0, starts.back(), kChunk,
+                   [&](int64_t lo, int64_t hi) { for_each_piece(segs, starts, lo, hi, fn); });
+}
+
+void pack_segments_cpu(at::TensorList tensors, const at::Tensor& segments, const at::Tensor& buffer) {
+  const auto segs = checked_segments("subnet_ext.pack_segments", tensors, segments, buffer, nullptr);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, buffer.scalar_type(), "subnet_ext.pack_cpu", [&] {
+    scalar_t* buf = buffer.mutable_data_ptr<scalar_t>();
+    parallel_over_segments(segs, [&](size_t s, int64_t begin, int64_t end) {
+      pack_segment_range<scalar_t>(segs[s], tensors[segs[s].tensor].const_data_ptr<scalar_t>(), buf, begin, end);
+    });
+  });
+}
+
+void unpack_average_cpu(at::TensorList tensors, const at::Tensor& segments, const at::Tensor& buffer,
+                        const at::Tensor& scales) {
+  const auto segs = checked_segments("subnet_ext.unpack_average_", tensors, segments, buffer, &scales);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, buffer.scalar_type(), "subnet_ext.unpack_cpu", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const scalar_t* buf = buffer.const_data_ptr<scalar_t>();
+    parallel_over_segments(segs, [&](size_t s, int64_t begin, int64_t end) {
+      scalar_t* dst = tensors[segs[s].tensor].mutable_data_ptr<scalar_t>();
+      unpack_segment_range<scalar_t, acc_t>(segs[s], dst, buf, begin, end);
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(subnet_ext, CPU, m) {
+  m.impl("pack_segments", &pack_segments_cpu);
+  m.impl("unpack_average_", &unpack_average_cpu);
+}
+
+}  // namespace subnet_ext

@@ -1,0 +1,210 @@
+// Masked linear, device-independent part: validation, shapes, GEMMs.
+//
+// Notation: the full layer has weight W [O, I]; R = out_idx (kept outputs), S = in_idx
+// (kept inputs). A weight is stored full [O, I] or compact [|R|, |S|]; an absent index
+// means "all". x is [*, I_x] with I_x = I (full weight) or any width that S indexes into.
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/index_select.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/sum.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+
+#include "index_checks.h"
+#include "ops.h"
+
+namespace subnet_ext {
+namespace {
+
+struct Shapes {
+  int64_t kept_out;  // |R|
+  int64_t kept_in;   // |S|
+  int64_t x_width;   // I_x
+};
+
+at::Tensor defined_or_empty(const OptTensor& t) { return t.has_value() ? *t : at::Tensor(); }
+
+// Checks the operands shared by forward and backward and returns the block sizes.
+Shapes check_operands(const char* op, const at::Tensor& x, const at::Tensor& weight, const OptTensor& out_idx,
+                      const OptTensor& in_idx, bool compact_weight, int64_t out_bound) {
+  TORCH_CHECK_VALUE(weight.dim() == 2, op, ": weight must be 2-D [out, in], got shape ", weight.sizes());
+  TORCH_CHECK_VALUE(x.dim() >= 1, op, ": x must have at least one dimension, got a scalar");
+  TORCH_CHECK_VALUE(x.scalar_type() == weight.scalar_type(), op, ": x is ", x.scalar_type(), " but weight is ",
+                    weight.scalar_type());
+  TORCH_CHECK_VALUE(x.device() == weight.device(), op, ": x is on ", x.device(), " but weight is on ",
+                    weight.device());
+  TORCH_CHECK_VALUE(at::isFloatingType(weight.scalar_type()), op, ": weight must be floating point, got ",
+                    weight.scalar_type());
+  const int64_t x_width = x.size(-1);
+  Shapes s{weight.size(0), weight.size(1), x_width};
+  if (in_idx.has_value()) {
+    check_index(op, "in_idx", *in_idx, x_width, weight.device());
+    if (compact_weight) {
+      TORCH_CHECK_VALUE(in_idx->numel() == weight.size(1), op, ": compact weight has ", weight.size(1),
+                        " input columns but in_idx has ", in_idx->numel(), " entries");
+    } else {
+      TORCH_CHECK_VALUE(x_width == weight.size(1), op, ": x has width ", x_width, " but the full weight has ",
+                        weight.size(1), " input columns");
+    }
+    s.kept_in = in_idx->numel();
+  } else {
+    TORCH_CHECK_VALUE(x_width == weight.size(1), op, ": x has width ", x_width, " but weight has ",
+                      weight.size(1), " input columns (pass in_idx to select inputs)");
+  }
+  if (out_idx.has_value()) {
+    // Full weights: rows of W; and when the output is scattered, columns of the output too.
+    const int64_t bound = compact_weight ? out_bound : std::min(weight.size(0), out_bound);
+    check_index(op, "out_idx", *out_idx, bound, weight.device());
+    if (compact_weight) {
+      TORCH_CHECK_VALUE(out_idx->numel() == weight.size(0), op, ": compact weight has ", weight.size(0),
+                        " output rows but out_idx has ", out_idx->numel(), " entries");
+    }
+    s.kept_out = out_idx->numel();
+  }
+  return s;
+}
+
+// W[R][:, S] as a contiguous [|R|, |S|] tensor (the weight itself when nothing is selected).
+at::Tensor weight_block(const at::Tensor& weight, const OptTensor& out_idx, const OptTensor& in_idx,
+                        bool compact_weight, const Shapes& s, const IndexKernels& k) {
+  if (compact_weight || (!out_idx.has_value() && !in_idx.has_value())) return weight;
+  const at::Tensor src = weight.contiguous();
+  at::Tensor dst = at::empty({s.kept_out, s.kept_in}, weight.options());
+  k.gather(src, defined_or_empty(out_idx), defined_or_empty(in_idx), dst);
+  return dst;
+}
+
+// Columns `cols` of a 2-D tensor, contiguous (the tensor itself when cols is absent).
+at::Tensor gather_columns(const at::Tensor& t2d, const OptTensor& cols, const IndexKernels& k) {
+  if (!cols.has_value()) return t2d;
+  const at::Tensor src = t2d.contiguous();
+  at::Tensor dst = at::empty({src.size(0), cols->numel()}, src.options());
+  k.gather(src, at::Tensor(), *cols, dst);
+  return dst;
+}
+
+// [B, n] placed at columns `cols` of a zero [B, width] tensor.
+at::Tensor scatter_columns(const at::Tensor& t2d, const OptTensor& cols, int64_t width, const IndexKernels& k) {
+  if (!cols.has_value()) return t2d;
+  at::Tensor dst = at::zeros({t2d.size(0), width}, t2d.options());
+  k.scatter_columns(t2d.contiguous(), *cols, dst);
+  return dst;
+}
+
+std::vector<int64_t> with_last(c10::IntArrayRef sizes, int64_t last) {
+  std::vector<int64_t> out(sizes.begin(), sizes.end());
+  out.back() = last;
+  return out;
+}
+
+}  // namespace
+
+at::Tensor masked_linear_impl(const char* op, const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
+                              const OptTensor& out_idx, const OptTensor& in_idx, bool compact_weight,
+                              int64_t scatter_width, const IndexKernels& k) {
+  TORCH_CHECK_VALUE(scatter_width >= -1, op, ": scatter_width must be -1 (compact output) or a width, got ",
+                    scatter_width);
+  const int64_t out_bound = scatter_width >= 0 ? scatter_width : kNoBound;
+  const Shapes s = check_operands(op, x, weight, out_idx, in_idx, compact_weight, out_bound);
+  if (scatter_width >= 0 && !out_idx.has_value()) {
+    TORCH_CHECK_VALUE(scatter_width == s.kept_out, op, ": scatter_width ", scatter_width,
+                      " without out_idx must equal the number of outputs ", s.kept_out);
+  }
+  at::Tensor bias_block;
+  if (bias.has_value()) {
+    const int64_t expected = weight.size(0);  // [O] for a full weight, [|R|] for a compact one
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == expected, op, ": bias must have shape [", expected,
+                      "], got ", bias->sizes());
+    TORCH_CHECK_VALUE(bias->scalar_type() == weight.scalar_type() && bias->device() == weight.device(), op,
+                      ": bias is ", bias->scalar_type(), " on ", bias->device(), " but weight is ",
+                      weight.scalar_type(), " on ", weight.device());
+    bias_block = (!compact_weight && out_idx.has_value()) ? at::index_select(*bias, 0, *out_idx) : *bias;
+  }
+  const at::Tensor x2 = x.reshape({-1, s.x_width});
+  const at::Tensor xs = gather_columns(x2, in_idx, k);
+  const at::Tensor w = weight_block(weight, out_idx, in_idx, compact_weight, s, k);
+  const at::Tensor y = bias_block.defined() ? at::addmm(bias_block, xs, w.t()) : at::mm(xs, w.t());
+  if (scatter_width < 0) return y.view(with_last(x.sizes(), s.kept_out));
+  return scatter_columns(y, out_idx, scatter_width, k).view(with_last(x.sizes(), scatter_width));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_linear_backward_impl(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight, const OptTensor& out_idx,
+    const OptTensor& in_idx, bool compact_weight, bool grad_out_full, bool dense_grad_input,
+    std::array<bool, 3> mask, const IndexKernels& k) {
+  const char* op = "subnet_ext.masked_linear_backward";
+  const int64_t g_width = grad_out.dim() >= 1 ? grad_out.size(-1) : 0;
+  const Shapes s = check_operands(op, x, weight, out_idx, in_idx, compact_weight, grad_out_full ? g_width : kNoBound);
+  TORCH_CHECK_VALUE(grad_out.scalar_type() == x.scalar_type() && grad_out.device() == x.device(), op,
+                    ": grad_out is ", grad_out.scalar_type(), " on ", grad_out.device(), " but x is ",
+                    x.scalar_type(), " on ", x.device());
+  const int64_t expected_width = grad_out_full && out_idx.has_value() ? g_width : s.kept_out;
+  TORCH_CHECK_VALUE(grad_out.dim() == x.dim() && grad_out.sizes().slice(0, x.dim() - 1) == x.sizes().slice(0, x.dim() - 1) &&
+                        g_width == expected_width,
+                    op, ": grad_out has shape ", grad_out.sizes(), " but x has shape ", x.sizes(), " and ",
+                    expected_width, " output columns are expected");
+  if (dense_grad_input && mask[0]) {
+    TORCH_CHECK_VALUE(!compact_weight, op, ": dense_grad_input needs the full weight, got a compact one");
+    TORCH_CHECK_VALUE(grad_out_full || !out_idx.has_value(), op,
+                      ": dense_grad_input needs the full grad_out (grad_out_full=True)");
+  }
+  const at::Tensor g2 = grad_out.reshape({-1, g_width});
+  const at::Tensor x2 = x.reshape({-1, s.x_width});
+  const at::Tensor g_kept = grad_out_full ? gather_columns(g2, out_idx, k) : g2;
+
+  at::Tensor grad_x, grad_w, grad_b;
+  if (mask[0]) {
+    if (dense_grad_input) {
+      grad_x = at::mm(g2, weight).view(x.sizes());
+    } else {
+      const at::Tensor w = weight_block(weight, out_idx, in_idx, compact_weight, s, k);
+      grad_x = scatter_columns(at::mm(g_kept, w), in_idx, s.x_width, k).view(x.sizes());
+    }
+  }
+  if (mask[1]) grad_w = at::mm(g_kept.t(), gather_columns(x2, in_idx, k));
+  if (mask[2]) grad_b = at::sum(g_kept, {0});
+  // Outputs not asked for are empty tensors (not undefined), as the fake kernel says.
+  const auto empty = [&](at::Tensor& t) { if (!t.defined()) t = at::empty({0}, x.options()); };
+  empty(grad_x), empty(grad_w), empty(grad_b);
+  return {grad_x, grad_w, grad_b};
+}
+
+void masked_linear_grad_weight_impl(const at::Tensor& out, const at::Tensor& grad_out, const at::Tensor& x,
+                                    const OptTensor& out_idx, const OptTensor& in_idx, bool grad_out_full,
+                                    bool accumulate, const IndexKernels& k) {
+  const char* op = "subnet_ext.masked_linear_grad_weight_";
+  TORCH_CHECK_VALUE(x.dim() >= 1 && grad_out.dim() == x.dim(), op, ": grad_out has shape ", grad_out.sizes(),
+                    " but x has shape ", x.sizes());
+  TORCH_CHECK_VALUE(grad_out.scalar_type() == x.scalar_type() && out.scalar_type() == x.scalar_type(), op,
+                    ": dtypes differ: out ", out.scalar_type(), ", grad_out ", grad_out.scalar_type(), ", x ",
+                    x.scalar_type());
+  TORCH_CHECK_VALUE(grad_out.device() == x.device() && out.device() == x.device(), op, ": devices differ: out ",
+                    out.device(), ", grad_out ", grad_out.device(), ", x ", x.device());
+  const int64_t g_width = grad_out.size(-1);
+  const int64_t x_width = x.size(-1);
+  if (out_idx.has_value()) check_index(op, "out_idx", *out_idx, grad_out_full ? g_width : kNoBound, x.device());
+  if (in_idx.has_value()) check_index(op, "in_idx", *in_idx, x_width, x.device());
+  const int64_t kept_out = out_idx.has_value() ? out_idx->numel() : g_width;
+  const int64_t kept_in = in_idx.has_value() ? in_idx->numel() : x_width;
+  if (!grad_out_full && out_idx.has_value()) {
+    TORCH_CHECK_VALUE(g_width == kept_out, op, ": compact grad_out has ", g_width, " columns but out_idx has ",
+                      kept_out, " entries");
+  }
+  TORCH_CHECK_VALUE(out.dim() == 2 && out.size(0) == kept_out && out.size(1) == kept_in, op,
+                    ": out must have shape [", kept_out, ", ", kept_in, "], got ", out.sizes());
+  const at::Tensor g2 = grad_out.reshape({-1, g_width});
+  const at::Tensor x2 = x.reshape({-1, x_width});
+  TORCH_CHECK_VALUE(g2.size(0) == x2.size(0), op, ": grad_out has ", g2.size(0), " rows but x has ", x2.size(0));
+  const at::Tensor g_kept = grad_out_full ? gather_columns(g2, out_idx, k) : g2;
+  const at::Tensor xs = gather_columns(x2, in_idx, k);
+  if (accumulate) {
+    out.addmm_(g_kept.t(), xs);
+  } else {
+    at::mm_out(const_cast<at::Tensor&>(out), g_kept.t(), xs);
+  }
+}
+
+}  // namespace subnet_ext

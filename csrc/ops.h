@@ -1,0 +1,44 @@
+// Device-independent op bodies. Each dispatch key (cpu/, cuda/) supplies its own index
+// kernels and registers the op; validation, shapes and the GEMMs live here once.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
+
+#include <array>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "kernels/segments.h"
+
+namespace subnet_ext {
+
+using OptTensor = std::optional<at::Tensor>;
+
+// Gathers and scatters of the masked linear; src and dst are 2-D and contiguous.
+struct IndexKernels {
+  // dst[r, c] = src[rows ? rows[r] : r, cols ? cols[c] : c]; rows/cols may be undefined.
+  void (*gather)(const at::Tensor& src, const at::Tensor& rows, const at::Tensor& cols, const at::Tensor& dst);
+  // dst[r, cols[c]] = src[r, c]; the other columns of dst are left as they are.
+  void (*scatter_columns)(const at::Tensor& src, const at::Tensor& cols, const at::Tensor& dst);
+};
+
+at::Tensor masked_linear_impl(const char* op, const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
+                              const OptTensor& out_idx, const OptTensor& in_idx, bool compact_weight,
+                              int64_t scatter_width, const IndexKernels& kernels);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_linear_backward_impl(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight, const OptTensor& out_idx,
+    const OptTensor& in_idx, bool compact_weight, bool grad_out_full, bool dense_grad_input,
+    std::array<bool, 3> output_mask, const IndexKernels& kernels);
+
+void masked_linear_grad_weight_impl(const at::Tensor& out, const at::Tensor& grad_out, const at::Tensor& x,
+                                    const OptTensor& out_idx, const OptTensor& in_idx, bool grad_out_full,
+                                    bool accumulate, const IndexKernels& kernels);
+
+// Validated segment table of pack_segments / unpack_average_ (host side).
+std::vector<SegmentDesc> checked_segments(const char* op, at::TensorList tensors, const at::Tensor& segments,
+                                          const at::Tensor& buffer, const at::Tensor* scales);
+
+}  // namespace subnet_ext

@@ -1,0 +1,29 @@
+"""subnet_ext: Subnetwork Data Parallelism (SDP) for PyTorch.
+
+Each of K ranks trains a structured subnetwork of the model; each parameter is averaged
+only among the ranks that hold it. See README.md and DESIGN.md.
+"""
+from . import ops, reference
+from .build import build_info
+from .ops import (
+    masked_linear,
+    masked_linear_backward,
+    masked_linear_grad_weight_,
+    pack_segments,
+    segment_table,
+    unpack_average_,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "build_info",
+    "masked_linear",
+    "masked_linear_backward",
+    "masked_linear_grad_weight_",
+    "pack_segments",
+    "segment_table",
+    "unpack_average_",
+    "ops",
+    "reference",
+]

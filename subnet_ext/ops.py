@@ -1,0 +1,255 @@
+"""Typed Python front end of the `subnet_ext` ops, their fake kernels and autograd.
+
+Notation used throughout: a full linear layer has weight W [O, I]. `out_idx` = R (the
+kept outputs) and `in_idx` = S (the kept inputs) are 1-D int64 tensors of distinct
+indices on the operands' device; an absent index means "all". A weight is stored either
+full [O, I] or compact [|R|, |S|] (`compact_weight=True`, the forward regime's storage).
+
+Packed segments: every tensor is viewed 2-D as [size(0), numel // size(0)] (a 1-D tensor
+[n] as [n, 1], a scalar as [1, 1]); a segment is a rectangle of one tensor, stored
+row-major in a 1-D buffer. `segments` is an int64 CPU tensor [S, 6] with columns
+(tensor_index, row_begin, row_end, col_begin, col_end, buffer_offset).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from . import _C  # noqa: F401  (loads the library that registers the kernels)
+
+__all__ = [
+    "masked_linear",
+    "masked_linear_backward",
+    "masked_linear_grad_weight_",
+    "segment_table",
+    "pack_segments",
+    "unpack_average_",
+]
+
+_ops = torch.ops.subnet_ext
+
+
+def masked_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    out_idx: Optional[torch.Tensor] = None,
+    in_idx: Optional[torch.Tensor] = None,
+    *,
+    compact_weight: bool = False,
+    scatter_width: Optional[int] = None,
+) -> torch.Tensor:
+    """y = x[..., S] @ W[R][:, S]^T + b[R]; differentiable in x, weight and bias.
+
+    Args:
+        x: [*, I_x]. I_x = I for a full weight; for a compact weight, any width S indexes.
+        weight: [O, I] full, or [|R|, |S|] when compact_weight.
+        bias: [O] for a full weight, [|R|] for a compact one; optional.
+        out_idx, in_idx: R and S (int64, distinct).
+        scatter_width: None → output [*, |R|]; an int W → output [*, W] with the kept
+            outputs at columns R and zeros elsewhere.
+    Returns:
+        [*, |R|] or [*, scatter_width], dtype of x.
+    """
+    return _ops.masked_linear.default(
+        x, weight, bias, out_idx, in_idx, compact_weight, -1 if scatter_width is None else int(scatter_width)
+    )
+
+
+def masked_linear_backward(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out_idx: Optional[torch.Tensor] = None,
+    in_idx: Optional[torch.Tensor] = None,
+    *,
+    compact_weight: bool = False,
+    grad_out_full: bool = False,
+    dense_grad_input: bool = False,
+    output_mask: Sequence[bool] = (True, True, True),
+):
+    """Gradients of the masked linear, weight gradient only for the owned block.
+
+    Args:
+        grad_out: [*, |R|], or [*, W] full-width when grad_out_full (its columns R are used).
+        x, weight, out_idx, in_idx, compact_weight: as in `masked_linear`.
+        dense_grad_input: grad_x = grad_out @ W with the full weight and full grad_out
+            (backward regime: the forward was the full layer, only weight gradients are
+            masked). Otherwise grad_x = g_R @ W_RS placed at columns S, zeros elsewhere.
+        output_mask: which of (grad_x, grad_weight, grad_bias) to compute.
+    Returns:
+        (grad_x [*, I_x] | None, grad_weight [|R|, |S|] compact | None, grad_bias [|R|] | None).
+    """
+    gx, gw, gb = _ops.masked_linear_backward.default(
+        grad_out, x, weight, out_idx, in_idx, compact_weight, grad_out_full, dense_grad_input, list(output_mask)
+    )
+    return tuple(t if keep else None for t, keep in zip((gx, gw, gb), output_mask))
+
+
+def masked_linear_grad_weight_(
+    out: torch.Tensor,
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    out_idx: Optional[torch.Tensor] = None,
+    in_idx: Optional[torch.Tensor] = None,
+    *,
+    grad_out_full: bool = False,
+    accumulate: bool = False,
+) -> None:
+    """out (=|+=) g_R^T @ x_S, in place: the owned weight-gradient block.
+
+    Args:
+        out: [|R|, |S|]; may be a view of a flat communication buffer
+            (e.g. `flat[off:off + r * s].view(r, s)`).
+        grad_out: [*, |R|], or [*, W] when grad_out_full. x: [*, I_x].
+        accumulate: add to out instead of overwriting it.
+    """
+    _ops.masked_linear_grad_weight_.default(out, grad_out, x, out_idx, in_idx, grad_out_full, accumulate)
+
+
+def segment_table(rectangles: Sequence[Sequence[int]], start: int = 0):
+    """Segments for consecutive rectangles in a buffer.
+
+    Args:
+        rectangles: (tensor_index, row_begin, row_end, col_begin, col_end) each.
+        start: buffer offset of the first rectangle.
+    Returns:
+        (segments int64 CPU [S, 6], end offset = start + total elements).
+    """
+    rows = []
+    offset = int(start)
+    for rect in rectangles:
+        if len(rect) != 5:
+            raise ValueError(f"segment_table: a rectangle has 5 entries, got {tuple(rect)!r}")
+        t, r0, r1, c0, c1 = (int(v) for v in rect)
+        if r1 < r0 or c1 < c0:
+            raise ValueError(f"segment_table: rectangle {tuple(rect)!r} has a negative extent")
+        rows.append((t, r0, r1, c0, c1, offset))
+        offset += (r1 - r0) * (c1 - c0)
+    table = torch.tensor(rows, dtype=torch.int64) if rows else torch.empty(0, 6, dtype=torch.int64)
+    return table, offset
+
+
+def _buffer_size(segments: torch.Tensor) -> int:
+    if segments.numel() == 0:
+        return 0
+    sizes = (segments[:, 2] - segments[:, 1]) * (segments[:, 4] - segments[:, 3])
+    return int((segments[:, 5] + sizes).max())
+
+
+def pack_segments(
+    tensors: Sequence[torch.Tensor], segments: torch.Tensor, buffer: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """Gathers the rectangles of many tensors into one buffer (one launch on CUDA).
+
+    Args:
+        tensors: contiguous tensors of one dtype and device.
+        segments: int64 CPU [S, 6] (see module docstring).
+        buffer: 1-D destination; when None a zero buffer just large enough is made.
+    Returns:
+        the buffer. Elements outside every segment are left as they were.
+    """
+    tensors = list(tensors)
+    if buffer is None:
+        if not tensors:
+            raise ValueError("pack_segments: no tensors and no buffer given")
+        buffer = tensors[0].new_zeros(_buffer_size(segments))
+    _ops.pack_segments.default(tensors, segments, buffer)
+    return buffer
+
+
+def unpack_average_(
+    tensors: Sequence[torch.Tensor], segments: torch.Tensor, buffer: torch.Tensor, scales
+) -> None:
+    """tensor[rectangle s] = buffer[segment s] * scales[s], in place (fp32 math for halves).
+
+    Args:
+        tensors, segments, buffer: as in `pack_segments`; rectangles of one tensor must be
+            disjoint.
+        scales: float CPU tensor [S] or a sequence of S floats (typically 1/owner-count).
+    """
+    if not isinstance(scales, torch.Tensor):
+        scales = torch.tensor([float(s) for s in scales], dtype=torch.float64)
+    _ops.unpack_average_.default(list(tensors), segments, buffer, scales)
+
+
+# ---- fake (meta) kernels: shapes only, for torch.compile and FakeTensor tracing ----
+
+
+def _kept(idx, full):
+    return full if idx is None else idx.shape[0]
+
+
+@torch.library.register_fake("subnet_ext::masked_linear")
+def _masked_linear_fake(x, weight, bias, out_idx, in_idx, compact_weight, scatter_width):
+    torch._check(weight.dim() == 2, lambda: "subnet_ext.masked_linear: weight must be 2-D")
+    kept_out = weight.shape[0] if compact_weight else _kept(out_idx, weight.shape[0])
+    width = kept_out if scatter_width < 0 else scatter_width
+    return x.new_empty((*x.shape[:-1], width))
+
+
+@torch.library.register_fake("subnet_ext::masked_linear_backward")
+def _masked_linear_backward_fake(
+    grad_out, x, weight, out_idx, in_idx, compact_weight, grad_out_full, dense_grad_input, output_mask
+):
+    kept_out = weight.shape[0] if compact_weight else _kept(out_idx, weight.shape[0])
+    kept_in = weight.shape[1] if compact_weight else _kept(in_idx, weight.shape[1])
+    return (
+        x.new_empty(x.shape) if output_mask[0] else x.new_empty(0),
+        x.new_empty((kept_out, kept_in)) if output_mask[1] else x.new_empty(0),
+        x.new_empty((kept_out,)) if output_mask[2] else x.new_empty(0),
+    )
+
+
+@torch.library.register_fake("subnet_ext::masked_linear_grad_weight_")
+def _masked_linear_grad_weight_fake(out, grad_out, x, out_idx, in_idx, grad_out_full, accumulate):
+    return None
+
+
+@torch.library.register_fake("subnet_ext::pack_segments")
+def _pack_segments_fake(tensors, segments, buffer):
+    return None
+
+
+@torch.library.register_fake("subnet_ext::unpack_average_")
+def _unpack_average_fake(tensors, segments, buffer, scales):
+    return None
+
+
+# ---- autograd of masked_linear: its backward is the masked_linear_backward op ----
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, out_idx, in_idx, compact_weight, scatter_width = inputs
+    ctx.save_for_backward(x, weight, out_idx, in_idx)
+    ctx.has_bias = bias is not None
+    ctx.compact_weight = compact_weight
+    ctx.scatter = scatter_width >= 0
+    ctx.weight_shape = weight.shape
+
+
+def _backward(ctx, grad_out):
+    x, weight, out_idx, in_idx = ctx.saved_tensors
+    need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
+    gx, gw, gb = _ops.masked_linear_backward.default(
+        grad_out.contiguous(), x, weight, out_idx, in_idx, ctx.compact_weight,
+        ctx.scatter and out_idx is not None, False, [need_x, need_w, need_b],
+    )
+    if not ctx.compact_weight and (out_idx is not None or in_idx is not None):
+        # A full weight's gradient has the weight's shape: the owned block, zeros elsewhere.
+        rows = out_idx if out_idx is not None else torch.arange(weight.shape[0], device=weight.device)
+        cols = in_idx if in_idx is not None else torch.arange(weight.shape[1], device=weight.device)
+        if need_w:
+            gw = weight.new_zeros(weight.shape).index_put_((rows[:, None], cols[None, :]), gw)
+        if need_b:
+            gb = weight.new_zeros(weight.shape[0]).index_put_((rows,), gb)
+    return (
+        gx if need_x else None,
+        gw if need_w else None,
+        gb if need_b else None,
+        None, None, None, None,
+    )
+
+
+torch.library.register_autograd("subnet_ext::masked_linear", _backward, setup_context=_setup_context)

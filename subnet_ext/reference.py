@@ -1,0 +1,124 @@
+"""Pure-PyTorch references of every op, with the same signatures as `subnet_ext.ops`.
+
+Written for clarity, not speed: the tests compare the kernels against these, and the
+engine's semantics are defined by them. Half types are computed in fp32 and rounded once.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+
+def _all(n: int, device) -> torch.Tensor:
+    return torch.arange(n, device=device)
+
+
+def _block(weight, out_idx, in_idx, compact_weight):
+    if compact_weight:
+        return weight
+    w = weight if out_idx is None else weight[out_idx]
+    return w if in_idx is None else w[:, in_idx]
+
+
+def masked_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    out_idx: Optional[torch.Tensor] = None,
+    in_idx: Optional[torch.Tensor] = None,
+    *,
+    compact_weight: bool = False,
+    scatter_width: Optional[int] = None,
+) -> torch.Tensor:
+    """Reference of `ops.masked_linear`: [*, |R|] or [*, scatter_width]."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xs = x if in_idx is None else x[..., in_idx]
+    w = _block(weight, out_idx, in_idx, compact_weight)
+    y = xs.to(acc) @ w.to(acc).t()
+    if bias is not None:
+        b = bias if (compact_weight or out_idx is None) else bias[out_idx]
+        y = y + b.to(acc)
+    y = y.to(x.dtype)
+    if scatter_width is None or out_idx is None:
+        return y
+    full = y.new_zeros((*x.shape[:-1], scatter_width))
+    full[..., out_idx] = y
+    return full
+
+
+def masked_linear_backward(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out_idx: Optional[torch.Tensor] = None,
+    in_idx: Optional[torch.Tensor] = None,
+    *,
+    compact_weight: bool = False,
+    grad_out_full: bool = False,
+    dense_grad_input: bool = False,
+    output_mask: Sequence[bool] = (True, True, True),
+):
+    """Reference of `ops.masked_linear_backward`: (grad_x, compact grad_weight, grad_bias)."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    g = grad_out.reshape(-1, grad_out.shape[-1]).to(acc)
+    x2 = x.reshape(-1, x.shape[-1]).to(acc)
+    g_kept = g[:, out_idx] if (grad_out_full and out_idx is not None) else g
+    xs = x2 if in_idx is None else x2[:, in_idx]
+    w = _block(weight, out_idx, in_idx, compact_weight).to(acc)
+    gx = gw = gb = None
+    if output_mask[0]:
+        if dense_grad_input:
+            gx = g @ weight.to(acc)
+        else:
+            gxs = g_kept @ w
+            gx = gxs if in_idx is None else x2.new_zeros(x2.shape).index_copy_(1, in_idx, gxs)
+        gx = gx.reshape(x.shape).to(x.dtype)
+    if output_mask[1]:
+        gw = (g_kept.t() @ xs).to(x.dtype)
+    if output_mask[2]:
+        gb = g_kept.sum(0).to(x.dtype)
+    return gx, gw, gb
+
+
+def masked_linear_grad_weight_(out, grad_out, x, out_idx=None, in_idx=None, *, grad_out_full=False, accumulate=False):
+    """Reference of `ops.masked_linear_grad_weight_` (in place on out)."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    g = grad_out.reshape(-1, grad_out.shape[-1]).to(acc)
+    x2 = x.reshape(-1, x.shape[-1]).to(acc)
+    g_kept = g[:, out_idx] if (grad_out_full and out_idx is not None) else g
+    xs = x2 if in_idx is None else x2[:, in_idx]
+    block = g_kept.t() @ xs
+    if accumulate:
+        block = block + out.to(acc)
+    out.copy_(block.to(out.dtype))
+
+
+def as_2d(t: torch.Tensor) -> torch.Tensor:
+    """The [size(0), numel // size(0)] view packing uses ([n] → [n, 1], scalar → [1, 1])."""
+    if t.dim() == 0:
+        return t.reshape(1, 1)
+    return t.reshape(t.shape[0], -1) if t.dim() > 1 else t.reshape(-1, 1)
+
+
+def pack_segments(tensors, segments, buffer=None):
+    """Reference of `ops.pack_segments`."""
+    if buffer is None:
+        sizes = (segments[:, 2] - segments[:, 1]) * (segments[:, 4] - segments[:, 3])
+        n = int((segments[:, 5] + sizes).max()) if len(segments) else 0
+        buffer = tensors[0].new_zeros(n)
+    for t, r0, r1, c0, c1, off in segments.tolist():
+        block = as_2d(tensors[t])[r0:r1, c0:c1].reshape(-1)
+        buffer[off : off + block.numel()] = block
+    return buffer
+
+
+def unpack_average_(tensors, segments, buffer, scales):
+    """Reference of `ops.unpack_average_`."""
+    scales = [float(s) for s in (scales.tolist() if isinstance(scales, torch.Tensor) else scales)]
+    for (t, r0, r1, c0, c1, off), scale in zip(segments.tolist(), scales):
+        view = as_2d(tensors[t])
+        n = (r1 - r0) * (c1 - c0)
+        acc = torch.float64 if buffer.dtype == torch.float64 else torch.float32
+        block = buffer[off : off + n].to(acc) * torch.tensor(scale, dtype=acc)
+        view[r0:r1, c0:c1] = block.reshape(r1 - r0, c1 - c0).to(view.dtype)

@@ -1,0 +1,242 @@
+"""masked_linear forward/backward kernels against subnet_ext.reference.
+
+Reference implementations: `subnet_ext.reference.masked_linear` and
+`masked_linear_backward` (pure PyTorch, fp32/fp64 math). PyTorch's own composition at
+the test dtype is the yardstick for half types (see testing.assert_close_to_reference).
+"""
+import pytest
+import torch
+
+import subnet_ext as sx
+from subnet_ext import reference as ref
+from subnet_ext.testing import DEVICES, DTYPES, assert_close_to_reference
+
+OUT, IN = 24, 20
+
+
+def kept(n, fraction, gen, device):
+    """Distinct, deliberately unsorted indices: from a single one to all n."""
+    k = max(1, round(fraction * n))
+    return torch.randperm(n, generator=gen)[:k].to(device)
+
+
+def operands(device, dtype, fraction, compact, batch=(7,), seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    out_idx, in_idx = kept(OUT, fraction, gen, device), kept(IN, fraction, gen, device)
+    x = torch.randn(*batch, IN, generator=gen).to(device, dtype)
+    if compact:
+        w = torch.randn(len(out_idx), len(in_idx), generator=gen).to(device, dtype)
+        b = torch.randn(len(out_idx), generator=gen).to(device, dtype)
+    else:
+        w = torch.randn(OUT, IN, generator=gen).to(device, dtype)
+        b = torch.randn(OUT, generator=gen).to(device, dtype)
+    return x, w, b, out_idx, in_idx
+
+
+FRACTIONS = [1 / OUT, 0.5, 1.0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fraction", FRACTIONS)
+@pytest.mark.parametrize("compact", [False, True])
+@pytest.mark.parametrize("scatter", [False, True])
+def test_forward_matches_reference(device, dtype, fraction, compact, scatter):
+    x, w, b, oi, ii = operands(device, dtype, fraction, compact, batch=(3, 5))
+    kw = dict(compact_weight=compact, scatter_width=OUT if scatter else None)
+    y = sx.masked_linear(x, w, b, oi, ii, **kw)
+    exact = ref.masked_linear(x.double(), w.double(), b.double(), oi, ii, **kw)
+    lowp = _torch_linear(x, w, b, oi, ii, compact, OUT if scatter else None)
+    assert y.shape == exact.shape and y.dtype == dtype
+    assert_close_to_reference(y, exact, lowp, "forward")
+
+
+def _torch_linear(x, w, b, oi, ii, compact, scatter_width):
+    """PyTorch's composition in the operands' dtype."""
+    wb = w if compact else w[oi][:, ii]
+    bb = b if compact else b[oi]
+    y = torch.nn.functional.linear(x[..., ii], wb, bb)
+    if scatter_width is None:
+        return y
+    full = y.new_zeros((*y.shape[:-1], scatter_width))
+    full[..., oi] = y
+    return full
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fraction", FRACTIONS)
+@pytest.mark.parametrize("compact", [False, True])
+@pytest.mark.parametrize("dense", [False, True])
+def test_backward_matches_reference(device, dtype, fraction, compact, dense):
+    if dense and compact:
+        pytest.skip("dense_grad_input needs the full weight")
+    x, w, b, oi, ii = operands(device, dtype, fraction, compact, batch=(6,))
+    full_g = dense  # the backward regime hands the full-width gradient
+    g = torch.randn(6, OUT if full_g else len(oi)).to(device, dtype)
+    kw = dict(compact_weight=compact, grad_out_full=full_g, dense_grad_input=dense)
+    got = sx.masked_linear_backward(g, x, w, oi, ii, **kw)
+    exact = ref.masked_linear_backward(g.double(), x.double(), w.double(), oi, ii, **kw)
+    lowp = _torch_backward(g, x, w, oi, ii, compact, full_g, dense)
+    for name, a, e, l in zip(("grad_x", "grad_weight", "grad_bias"), got, exact, lowp):
+        assert a.shape == e.shape, name
+        assert_close_to_reference(a, e, l, name)
+
+
+def _torch_backward(g, x, w, oi, ii, compact, full_g, dense):
+    gk = g[:, oi] if full_g else g
+    wb = w if compact else w[oi][:, ii]
+    if dense:
+        gx = g @ w
+    else:
+        gx = x.new_zeros(x.shape)
+        gx[:, ii] = gk @ wb
+    return gx, gk.t() @ x[:, ii], gk.sum(0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_autograd_matches_reference_autograd(device):
+    x, w, b, oi, ii = operands(device, torch.float32, 0.5, compact=False, batch=(4, 3))
+    tensors = [t.clone().requires_grad_() for t in (x, w, b)]
+    refs = [t.clone().requires_grad_() for t in (x, w, b)]
+    sx.masked_linear(*tensors, oi, ii, scatter_width=OUT).square().sum().backward()
+    ref.masked_linear(*refs, oi, ii, scatter_width=OUT).square().sum().backward()
+    for a, r in zip(tensors, refs):
+        torch.testing.assert_close(a.grad, r.grad)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("compact", [False, True])
+@pytest.mark.parametrize("scatter", [False, True])
+def test_gradcheck_float64(device, compact, scatter):
+    x, w, b, oi, ii = operands(device, torch.float64, 0.5, compact, batch=(3,))
+    args = [t.requires_grad_() for t in (x, w, b)]
+    fn = lambda x, w, b: sx.masked_linear(  # noqa: E731
+        x, w, b, oi, ii, compact_weight=compact, scatter_width=OUT if scatter else None
+    )
+    assert torch.autograd.gradcheck(fn, args)
+    assert torch.autograd.gradcheck(lambda x, w: sx.masked_linear(x, w, None, oi, ii, compact_weight=compact),
+                                    args[:2])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grad_weight_into_flat_buffer_slice(device):
+    x, w, b, oi, ii = operands(device, torch.float32, 0.5, compact=False, batch=(5,))
+    g = torch.randn(5, OUT, device=device)
+    flat = torch.full((3 + len(oi) * len(ii) + 4,), 7.0, device=device)
+    view = flat[3 : 3 + len(oi) * len(ii)].view(len(oi), len(ii))
+    sx.masked_linear_grad_weight_(view, g, x, oi, ii, grad_out_full=True)
+    expected = ref.masked_linear_backward(g, x, w, oi, ii, grad_out_full=True)[1]
+    torch.testing.assert_close(view, expected)
+    assert (flat[:3] == 7).all() and (flat[-4:] == 7).all(), "wrote outside its slice"
+    sx.masked_linear_grad_weight_(view, g, x, oi, ii, grad_out_full=True, accumulate=True)
+    torch.testing.assert_close(view, 2 * expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_batch_and_non_contiguous(device):
+    x, w, b, oi, ii = operands(device, torch.float32, 0.5, compact=False, batch=(0,))
+    y = sx.masked_linear(x, w, b, oi, ii, scatter_width=OUT)
+    assert y.shape == (0, OUT)
+    gx, gw, gb = sx.masked_linear_backward(y.new_zeros(0, OUT), x, w, oi, ii, grad_out_full=True)
+    assert gx.shape == (0, IN) and (gw == 0).all() and (gb == 0).all()
+    # Non-contiguous x (a transposed view) and weight (a column slice).
+    xt = torch.randn(IN, 9, device=device).t()
+    wide = torch.randn(OUT, 2 * IN, device=device)[:, ::2]
+    assert not xt.is_contiguous() and not wide.is_contiguous()
+    torch.testing.assert_close(sx.masked_linear(xt, wide, b, oi, ii), ref.masked_linear(xt, wide, b, oi, ii))
+    g = torch.randn(3 * len(oi), device=device)[::3].expand(9, -1)
+    for a, r in zip(sx.masked_linear_backward(g, xt, wide, oi, ii), ref.masked_linear_backward(g, xt, wide, oi, ii)):
+        torch.testing.assert_close(a, r)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    x, w, b, oi, ii = operands(device, torch.float32, 0.5, compact=False, batch=(4,))
+    xc, wc, bc, _, _ = operands(device, torch.float32, 0.5, compact=True, batch=(4,))
+    cases = [
+        (x, w, b, oi, ii, False, -1),
+        (x, w, None, oi, None, False, OUT),
+        (xc, wc, bc, oi, ii, True, OUT),
+        (x, w, b, None, None, False, -1),
+    ]
+    for args in cases:
+        grad = [a.requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+        torch.library.opcheck(torch.ops.subnet_ext.masked_linear.default, tuple(grad))
+    g = torch.randn(4, OUT, device=device)
+    torch.library.opcheck(
+        torch.ops.subnet_ext.masked_linear_backward.default,
+        (g, x.detach(), w.detach(), oi, ii, False, True, False, [True, True, True]),
+    )
+    torch.library.opcheck(
+        torch.ops.subnet_ext.masked_linear_backward.default,
+        (g, x.detach(), w.detach(), oi, ii, False, True, True, [True, False, True]),
+    )
+    out = torch.zeros(len(oi), len(ii), device=device)
+    torch.library.opcheck(
+        torch.ops.subnet_ext.masked_linear_grad_weight_.default, (out, g, x.detach(), oi, ii, True, True)
+    )
+
+
+def test_torch_compile_fullgraph():
+    x, w, b, oi, ii = operands("cpu", torch.float32, 0.5, compact=False, batch=(4,))
+
+    def layer(x, w, b):
+        return torch.relu(sx.masked_linear(x, w, b, oi, ii, scatter_width=OUT)).sum()
+
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    args = [t.clone().requires_grad_() for t in (x, w, b)]
+    eager = [t.clone().requires_grad_() for t in (x, w, b)]
+    compiled(*args).backward()
+    layer(*eager).backward()
+    for a, e in zip(args, eager):
+        torch.testing.assert_close(a.grad, e.grad)
+
+
+# ---- bad input: a clear error naming the op and the values ----
+
+BAD_FORWARD = [
+    (lambda x, w, b, oi, ii: dict(out_idx=torch.tensor([0, OUT])), "out_idx has values in"),
+    (lambda x, w, b, oi, ii: dict(out_idx=torch.tensor([-1, 2])), "out_idx has values in"),
+    (lambda x, w, b, oi, ii: dict(in_idx=torch.tensor([3, 3])), "holds the index 3 more than once"),
+    (lambda x, w, b, oi, ii: dict(in_idx=torch.tensor([1, 2], dtype=torch.int32)), "must be an int64 tensor"),
+    (lambda x, w, b, oi, ii: dict(in_idx=torch.tensor([[1, 2]])), "must be 1-D"),
+    (lambda x, w, b, oi, ii: dict(x=x[:, :-1]), "x has width"),
+    (lambda x, w, b, oi, ii: dict(weight=w[:, None]), "weight must be 2-D"),
+    (lambda x, w, b, oi, ii: dict(x=x.double()), "x is Double but weight is Float"),
+    (lambda x, w, b, oi, ii: dict(bias=b[:-1]), "bias must have shape"),
+    (lambda x, w, b, oi, ii: dict(scatter_width=-2), "scatter_width must be"),
+    (lambda x, w, b, oi, ii: dict(out_idx=oi, scatter_width=2), "out_idx has values in"),
+    (lambda x, w, b, oi, ii: dict(weight=w[:3, :4], compact_weight=True, in_idx=ii), "compact weight has 4 input"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(BAD_FORWARD)))
+def test_bad_forward_input(case):
+    x, w, b, oi, ii = operands("cpu", torch.float32, 0.5, compact=False)
+    make, message = BAD_FORWARD[case]
+    args = dict(x=x, weight=w, bias=b)
+    args.update(make(x, w, b, oi, ii))
+    with pytest.raises((ValueError, RuntimeError), match=message) as info:
+        sx.masked_linear(**args)
+    assert "subnet_ext.masked_linear" in str(info.value)
+
+
+def test_bad_backward_input():
+    x, w, b, oi, ii = operands("cpu", torch.float32, 0.5, compact=False)
+    g = torch.randn(7, len(oi))
+    with pytest.raises(ValueError, match="grad_out has shape"):
+        sx.masked_linear_backward(g[:, :-1], x, w, oi, ii)
+    with pytest.raises(ValueError, match="dense_grad_input needs the full grad_out"):
+        sx.masked_linear_backward(g, x, w, oi, ii, dense_grad_input=True)
+    with pytest.raises(ValueError, match="out must have shape"):
+        sx.masked_linear_grad_weight_(torch.zeros(2, 2), g, x, oi, ii)
+    with pytest.raises(ValueError, match="devices differ|dtypes differ"):
+        sx.masked_linear_grad_weight_(torch.zeros(len(oi), len(ii), dtype=torch.float64), g, x, oi, ii)
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs a GPU")
+def test_index_on_wrong_device():
+    x, w, b, oi, ii = operands("cuda", torch.float32, 0.5, compact=False)
+    with pytest.raises(ValueError, match="in_idx is on cpu"):
+        sx.masked_linear(x, w, b, oi, ii.cpu())

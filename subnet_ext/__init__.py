@@ -5,6 +5,8 @@ only among the ranks that hold it. See README.md and DESIGN.md.
 """
 from . import ops, reference
 from .build import build_info
+from .engine import SubnetDataParallel
+from .plan import SubnetPlan, Unit, plan_subnetworks
 from .ops import (
     masked_linear,
     masked_linear_backward,
@@ -17,6 +19,10 @@ from .ops import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "SubnetDataParallel",
+    "SubnetPlan",
+    "Unit",
+    "plan_subnetworks",
     "build_info",
     "masked_linear",
     "masked_linear_backward",

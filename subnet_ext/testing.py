@@ -41,3 +41,74 @@ def assert_close_to_reference(out: torch.Tensor, exact: torch.Tensor, torch_at_d
         scale = exact.abs().max().item() if out.numel() else 0.0
         bound = 64 * eps * max(scale, 1.0)
     assert err <= bound, f"{name}: max error {err:.3e} exceeds bound {bound:.3e} ({out.dtype})"
+
+
+def _distributed_entry(rank, world_size, port, fn, args, queue):
+    import os
+
+    import torch.distributed as dist
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        queue.put((rank, "ok", fn(rank, world_size, *args)))
+    except BaseException as e:  # report, do not hang the parent
+        import traceback
+
+        queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 180.0) -> list:
+    """Run fn(rank, world_size, *args) in `world_size` gloo processes on 127.0.0.1.
+
+    Each process gets one thread and a fresh free port, so tests never collide.
+    Returns the per-rank results; raises RuntimeError with every failing rank's
+    traceback, or after `timeout` seconds (killing the workers) instead of hanging.
+    """
+    import queue as queue_mod
+    import time
+
+    import torch.multiprocessing as mp
+
+    from .launch import free_port
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_distributed_entry, args=(r, world_size, port, fn, args, q), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results, errors = {}, {}
+    deadline = time.monotonic() + timeout
+    first_error = None
+    try:
+        while len(results) + len(errors) < world_size:
+            left = deadline - time.monotonic()
+            if errors and first_error is not None and time.monotonic() - first_error > 15:
+                break  # the others are likely waiting on the failed rank in a collective
+            if left <= 0:
+                raise RuntimeError(f"run_distributed: {world_size - len(results) - len(errors)} rank(s) did not "
+                                   f"finish within {timeout:.0f} s (results from {sorted(results)})")
+            try:
+                rank, status, value = q.get(timeout=min(left, 1.0))
+            except queue_mod.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead and not any(i in results or i in errors for i in dead):
+                    raise RuntimeError(f"run_distributed: rank(s) {dead} died (exit codes "
+                                       f"{[procs[i].exitcode for i in dead]})")
+                continue
+            (results if status == "ok" else errors)[rank] = value
+            if status != "ok" and first_error is None:
+                first_error = time.monotonic()
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError("\n".join(f"rank {r}: {e}" for r, e in sorted(errors.items())))
+    return [results[r] for r in range(world_size)]

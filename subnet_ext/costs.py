@@ -1,0 +1,105 @@
+"""The cost model of DESIGN.md §2, from the plan alone (no process group needed).
+
+Bytes *handed to collectives* by one rank in one synchronisation:
+- per-group strategy: for every owner set S with this rank and |S| > 1, the bytes of
+  the units owned by S (plus the shared tensors in the world set); one collective per
+  (owner set, dtype).
+- zero-filled strategy: one all-reduce over the world of every unit and shared tensor
+  with more than one owner, zeros where a rank holds nothing.
+Ring all-reduce moves 2(|S|-1)/|S| of a buffer per rank: that is `ring_bytes`, what
+the strategy choice minimises (plus a per-collective latency expressed in bytes).
+The backward regime adds the refresh: one broadcast per leader rank (the lowest owner)
+of the units it leads that some rank does not hold.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from .plan import SubnetPlan
+
+STRATEGIES = ("auto", "groups", "zero_filled")
+DEFAULT_LATENCY_BYTES = 256 * 1024  # one collective's fixed cost, as bytes of transfer
+
+
+def _unit_owner_sets(plan: SubnetPlan) -> list[tuple[int, ...]]:
+    return [tuple(torch.nonzero(plan.owners[:, u]).flatten().tolist()) for u in range(len(plan.units))]
+
+
+def _unit_dtypes(plan: SubnetPlan) -> list[set]:
+    out = []
+    for g, (a, b) in zip(plan.groups, plan.unit_ranges):
+        names = g.params + g.buffers if g.kind == "block" else [m.name for m in g.members]
+        dt = {plan.tensor_dtypes[n] for n in names if plan.is_float(n)}
+        out += [dt] * (b - a)
+    return out
+
+
+def set_bytes(plan: SubnetPlan) -> tuple[dict, dict]:
+    """({owner set: bytes averaged per synchronisation}, {owner set: dtypes}), world set included."""
+    sizes, dtypes = defaultdict(float), defaultdict(set)
+    per_unit = plan.unit_bytes + plan.unit_buffer_bytes
+    for u, (s, dt) in enumerate(zip(_unit_owner_sets(plan), _unit_dtypes(plan))):
+        sizes[s] += float(per_unit[u])
+        dtypes[s] |= dt
+    world = tuple(range(plan.world_size))
+    shared = plan.shared_bytes + plan.shared_buffer_bytes
+    if shared:
+        sizes[world] += shared
+        dtypes[world] |= {plan.tensor_dtypes[n] for n in plan.shared if plan.is_float(n)}
+    return dict(sizes), dict(dtypes)
+
+
+def predicted_comm(plan: SubnetPlan, rank: int, strategy: str, regime: str = "forward") -> dict:
+    """Per synchronisation on `rank`: bytes handed to collectives, collectives, ring bytes."""
+    if strategy not in ("groups", "zero_filled"):
+        raise ValueError(f"strategy must be 'groups' or 'zero_filled', got {strategy!r}")
+    sizes, dtypes = set_bytes(plan)
+    k = plan.world_size
+    handed = ring = 0.0
+    count = 0
+    if k > 1 and strategy == "groups":
+        for s, b in sizes.items():
+            if rank in s and len(s) > 1 and b:
+                handed += b
+                ring += 2 * (len(s) - 1) / len(s) * b
+                count += len(dtypes[s])
+    elif k > 1:
+        total = sum(b for s, b in sizes.items() if len(s) > 1)
+        if total:
+            handed, ring = total, 2 * (k - 1) / k * total
+            count = len(set().union(*(dtypes[s] for s in sizes if len(s) > 1)))
+    if regime == "backward" and k > 1:
+        refresh, refresh_count = refresh_bytes(plan)
+        handed += refresh
+        ring += refresh
+        count += refresh_count
+    return {"bytes": int(handed), "collectives": count, "ring_bytes": ring}
+
+
+def refresh_bytes(plan: SubnetPlan) -> tuple[float, int]:
+    """Backward regime: bytes every rank hands to the leaders' broadcasts, and their number."""
+    per_leader, dtypes = defaultdict(float), defaultdict(set)
+    per_unit = plan.unit_bytes + plan.unit_buffer_bytes
+    for u, (s, dt) in enumerate(zip(_unit_owner_sets(plan), _unit_dtypes(plan))):
+        if len(s) < plan.world_size:
+            per_leader[s[0]] += float(per_unit[u])
+            dtypes[s[0]] |= dt
+    return sum(per_leader.values()), sum(len(dtypes[q]) for q, b in per_leader.items() if b)
+
+
+def choose_strategy(plan: SubnetPlan, requested: str = "auto", latency_bytes: float = DEFAULT_LATENCY_BYTES):
+    """("groups" | "zero_filled", {strategy: modelled cost of the slowest rank, in bytes})."""
+    if requested not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {requested!r}")
+    costs = {}
+    for s in ("groups", "zero_filled"):
+        worst = 0.0
+        for r in range(plan.world_size):
+            c = predicted_comm(plan, r, s)
+            worst = max(worst, c["ring_bytes"] + latency_bytes * c["collectives"])
+        costs[s] = worst
+    if requested != "auto":
+        return requested, costs
+    return ("groups" if costs["groups"] <= costs["zero_filled"] else "zero_filled"), costs

@@ -1,0 +1,328 @@
+"""SubnetDataParallel: train a structured subnetwork per rank, average among owners.
+
+    plan = plan_subnetworks(model, world_size=K, coverage=0.5, level="block")
+    sdp = SubnetDataParallel(model, plan, regime="forward")
+    opt = torch.optim.AdamW(sdp.parameters(), lr=3e-4)
+    loss_fn(sdp(x), y).backward()     # gradients averaged among owners at the end
+    opt.step(); opt.zero_grad()       # (backward regime: other ranks' copies refreshed)
+
+Synchronisation points: with sync_every=1 the gradients are averaged when backward
+finishes (a callback queued on the autograd engine by the first gradient hook). After
+each optimizer step over these parameters (a global optimizer step hook) the engine
+counts the step, averages parameters every `sync_every` steps when sync_every > 1, and
+in the backward regime refreshes the copies of units this rank does not own. All of
+these issue collectives in one global order, so they cannot deadlock.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.autograd import Variable
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from .averaging import CommCounter, OwnerGroups, PackedAverager, broadcast_pieces
+from .costs import DEFAULT_LATENCY_BYTES, choose_strategy, predicted_comm
+from .pieces import global_pieces, local_starts, rectangle
+from .plan import SubnetPlan, model_fingerprint
+from .state import assemble, load_pieces
+from .subnetwork import materialise_forward, prepare_backward
+
+REGIMES = ("forward", "backward")
+SCALES = ("none", "inverse")
+
+
+def _meta_skeleton(model: nn.Module) -> nn.Module:
+    """A copy of the model whose parameters and persistent buffers live on the meta device
+    (no memory); non-persistent buffers (e.g. rotary tables) are real copies."""
+    memo = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for m in model.modules():
+        for n, b in m._buffers.items():
+            if b is not None and n not in m._non_persistent_buffers_set:
+                memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(model, memo)
+
+
+class SubnetDataParallel(nn.Module):
+    """Wraps `model` (modified in place) so this rank trains its subnetwork of `plan`.
+
+    Args:
+        model: the full model, identical on every rank (rank 0's values are broadcast).
+        plan: from plan_subnetworks(model, world_size, ...) on the same model structure.
+        regime: "forward" (materialise only the subnetwork) or "backward" (full model,
+            owned weight gradients and optimizer state only).
+        sync_every: H; 1 averages gradients every step, H > 1 averages parameters every
+            H optimizer steps (local SGD within owner groups).
+        scale: "inverse" multiplies the input of each neuron group's consumer by h/h_k
+            (forward regime, neuron level); "none" does nothing.
+        process_group: the group the plan's ranks live in (default: the world).
+        strategy: "auto" (cost model), "groups" (one collective per owner set) or
+            "zero_filled" (one world all-reduce).
+    """
+
+    def __init__(self, model: nn.Module, plan: SubnetPlan, regime: str = "forward", sync_every: int = 1,
+                 scale: str = "none", process_group=None, strategy: str = "auto",
+                 latency_bytes: float = DEFAULT_LATENCY_BYTES):
+        super().__init__()
+        if not isinstance(plan, SubnetPlan):
+            raise ValueError(f"plan must be a SubnetPlan, got {type(plan).__name__}")
+        if regime not in REGIMES:
+            raise ValueError(f"regime must be 'forward' or 'backward', got {regime!r}")
+        if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
+            raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
+        if scale not in SCALES:
+            raise ValueError(f"scale must be 'none' or 'inverse', got {scale!r}")
+        if scale == "inverse" and (plan.level != "neuron" or regime != "forward"):
+            raise ValueError(f"scale='inverse' applies to the neuron level in the forward regime; this plan is "
+                             f"level={plan.level!r} and regime={regime!r}")
+        if dist.is_initialized():
+            self.world_size = dist.get_world_size(process_group)
+            self.rank = dist.get_rank(process_group)
+        else:
+            if process_group is not None:
+                raise ValueError("a process_group was given but torch.distributed is not initialised")
+            self.world_size, self.rank = 1, 0
+        if plan.world_size != self.world_size:
+            raise ValueError(f"the plan was made for world size {plan.world_size}, but the process group has "
+                             f"{self.world_size} ranks; make the plan with world_size={self.world_size}")
+        fingerprint = model_fingerprint(model)
+        if fingerprint != plan.fingerprint:
+            raise ValueError(f"the plan was made for another model (structure fingerprint {plan.fingerprint}, "
+                             f"this model {fingerprint}); plan this model with plan_subnetworks")
+        self.plan, self.regime, self.sync_every, self.scale = plan, regime, sync_every, scale
+        self.process_group = process_group
+        first = next(iter(model.parameters()), None)
+        self.device = first.device if first is not None else torch.device("cpu")
+        self._sync_initial_state(model)
+        self.__dict__["_skeleton"] = _meta_skeleton(model)  # not a submodule: no state of its own
+
+        self.pieces = global_pieces(plan)
+        if regime == "forward":
+            self._hooks = materialise_forward(model, plan, self.pieces, self.rank, scale)
+            self._piece_params, self._value_refs = {}, {}
+        else:
+            self._hooks = []
+            self._piece_params, self._value_refs = prepare_backward(model, plan, self.pieces, self.rank)
+        self.module = model
+        self.local_start = local_starts(self.pieces, self.rank, compact=regime == "forward")
+        self.integer_entries = self._integer_entries()
+
+        self.strategy, self.strategy_costs = choose_strategy(plan, strategy, latency_bytes)
+        self.counter = CommCounter()
+        groups = OwnerGroups([p.owners for p in self.pieces], self.world_size, process_group)
+        self._averager = PackedAverager(self.pieces, self.rank, self.world_size, groups, self.strategy,
+                                        self.counter, plan, self.device)
+        self._trainable = [p for p in model.parameters() if p.requires_grad]
+        self._trainable_ids = {id(p) for p in self._trainable}
+        self._queued = False
+        self.optimizer_steps = 0
+        for p in self._trainable:
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+        self._hooks.append(register_optimizer_step_post_hook(self._on_optimizer_step))
+
+    # ------------------------------------------------------------------ lookup
+    def value_of(self, name: str) -> torch.Tensor:
+        """The local tensor holding state-dict entry `name` (compact in the forward regime)."""
+        if name in self._value_refs:
+            module, attr = self._value_refs[name]
+            return getattr(module, attr)
+        path, _, leaf = name.rpartition(".")
+        module = self.module.get_submodule(path)
+        if leaf in module._parameters:
+            return module._parameters[leaf]
+        return module._buffers[leaf]
+
+    def _integer_entries(self) -> dict:
+        """Non-float entries (e.g. BatchNorm's num_batches_tracked) -> the rank that reports them."""
+        out = {}
+        block_of = {n: a for g, (a, _) in zip(self.plan.groups, self.plan.unit_ranges) for n in g.params + g.buffers}
+        for name in self.plan.tensor_shapes:
+            if self.plan.is_float(name):
+                continue
+            unit = block_of.get(name)
+            out[name] = 0 if unit is None else int(torch.nonzero(self.plan.owners[:, unit])[0])
+        return out
+
+    def holds_whole(self, name: str) -> bool:
+        try:
+            self.value_of(name)
+            return True
+        except (AttributeError, KeyError):
+            return False
+
+    def _resolve_value(self, piece):
+        t = self.value_of(piece.name)
+        return t, rectangle(t.shape, piece.dim, self.local_start[piece], piece.length)
+
+    def _resolve_grad(self, piece):
+        if not piece.is_param:
+            return self._resolve_value(piece)  # buffers (norm statistics) are averaged as values
+        if piece in self._piece_params:
+            param, rect_of = self._piece_params[piece], None
+        else:
+            param = self.value_of(piece.name)
+            rect_of = (piece.dim, self.local_start[piece], piece.length)
+        if param.grad is None:
+            param.grad = torch.zeros_like(param, memory_format=torch.contiguous_format)
+        elif not param.grad.is_contiguous():
+            param.grad = param.grad.contiguous()
+        g = param.grad
+        rect = rectangle(g.shape, 0, 0, g.shape[0] if g.dim() else 1) if rect_of is None else \
+            rectangle(g.shape, *rect_of)
+        return g, rect
+
+    # ------------------------------------------------------------------ sync points
+    def _sync_initial_state(self, model: nn.Module) -> None:
+        """Every rank starts from rank 0's values (as torch DDP does)."""
+        if self.world_size == 1 or not dist.is_initialized():
+            return
+        src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
+        tensors = [t for t in model.state_dict(keep_vars=True).values()]
+        by_dtype = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        with torch.no_grad():
+            for ts in by_dtype.values():
+                flat = torch.cat([t.detach().reshape(-1) for t in ts])
+                dist.broadcast(flat, src=src, group=self.process_group)
+                for t, part in zip(ts, flat.split([t.numel() for t in ts])):
+                    t.copy_(part.view(t.shape))
+
+    def _on_grad_ready(self, param) -> None:
+        if not self._queued:
+            self._queued = True
+            Variable._execution_engine.queue_callback(self._after_backward)
+
+    def _after_backward(self) -> None:
+        self._queued = False
+        if self.sync_every == 1:
+            with torch.no_grad():
+                self._averager.average(self._resolve_grad, "gradients")
+
+    def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
+        if not any(id(p) in self._trainable_ids for g in optimizer.param_groups for p in g["params"]):
+            return
+        self.after_step()
+
+    def after_step(self) -> None:
+        """Called after each optimizer step (automatically for torch.optim optimizers)."""
+        self.optimizer_steps += 1
+        self.counter.steps += 1
+        with torch.no_grad():
+            if self.sync_every > 1 and self.optimizer_steps % self.sync_every == 0:
+                self._averager.average(self._resolve_value, "parameters")
+            if self.regime == "backward":
+                broadcast_pieces(self.pieces, self.rank, self.world_size, self._resolve_value, self.counter,
+                                 self.process_group)
+
+    # ------------------------------------------------------------------ public API
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def parameters(self, recurse: bool = True):
+        """What the optimizer must update: this rank's owned (and shared) parameters."""
+        return iter(self._trainable)
+
+    def full_state_dict(self) -> dict:
+        """The whole model's state dict (original names and shapes), identical on every rank.
+
+        Collective: every rank must call it."""
+        return assemble(self, reduce=True)
+
+    def local_full_state_dict(self) -> dict:
+        """This rank's values in the original names and shapes, NaN where it holds nothing."""
+        if self.regime == "backward":
+            return {n: self.value_of(n).detach().clone() for n in self.plan.tensor_shapes}
+        return assemble(self, reduce=False)
+
+    def load_full_state_dict(self, state_dict: dict) -> None:
+        """Start from a full-model state dict (e.g. a checkpoint of the unmasked model)."""
+        load_pieces(self, state_dict)
+
+    def full_model(self) -> nn.Module:
+        """A new, unmasked model holding the assembled full state (collective)."""
+        model = copy.deepcopy(self._skeleton)
+        model.load_state_dict(self.full_state_dict(), assign=True)
+        return model
+
+    @torch.no_grad()
+    def evaluate(self, *inputs, modes=("full", "ensemble")) -> dict:
+        """{"full": the union of subnetworks' output, "ensemble": mean of the ranks' subnetwork
+        outputs (one all-reduce)}. Collective; runs in eval mode and restores the mode."""
+        bad = [m for m in modes if m not in ("full", "ensemble")]
+        if bad:
+            raise ValueError(f"evaluate modes must be 'full' and/or 'ensemble', got {bad}")
+        was_training = self.module.training
+        self.module.eval()
+        out = {}
+        try:
+            if "ensemble" in modes:
+                y = self.module(*inputs).float()
+                if self.world_size > 1:
+                    dist.all_reduce(y, group=self.process_group)
+                    y /= self.world_size
+                out["ensemble"] = y
+            if "full" in modes:
+                skeleton = self._skeleton.eval()
+                out["full"] = torch.func.functional_call(skeleton, self.full_state_dict(), inputs).float()
+        finally:
+            self.module.train(was_training)
+        return out
+
+    def comm_stats(self) -> dict:
+        """Bytes handed to collectives and collectives issued, in total and per optimizer step."""
+        steps = max(1, self.counter.steps)
+        return {
+            "strategy": self.strategy, "strategy_costs": self.strategy_costs, "steps": self.counter.steps,
+            "bytes": self.counter.bytes, "collectives": self.counter.collectives,
+            "bytes_per_step": self.counter.bytes / steps, "collectives_per_step": self.counter.collectives / steps,
+            "by_kind": dict(self.counter.by_kind),
+            "predicted_per_sync": predicted_comm(self.plan, self.rank, self.strategy, self.regime),
+        }
+
+    def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict:
+        """Bytes this rank holds: parameters, gradients, optimizer state, buffers.
+
+        Shared storage (owned views of full tensors) counts once. `model_state` =
+        parameters + gradients + optimizer state."""
+        seen = set()
+
+        def nbytes(ts):
+            total = 0
+            for t in ts:
+                if t is None or t.device.type == "meta":
+                    continue
+                key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+                if key not in seen:
+                    seen.add(key)
+                    total += key[1]
+            return total
+
+        params = nbytes(list(self.module.parameters()) + [getattr(m, a) for m, a in self._value_refs.values()])
+        grads = nbytes([p.grad for p in self.module.parameters()])
+        state = 0
+        if optimizer is not None:
+            state = nbytes([v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)])
+        buffers = nbytes(list(self.module.buffers()))
+        return {"parameters": params, "gradients": grads, "optimizer_state": state, "buffers": buffers,
+                "model_state": params + grads + state}
+
+    def predicted_model_state_bytes(self, optimizer_state_per_param: float = 2.0) -> float:
+        """Plan's prediction of parameters + gradients + optimizer state (Adam: 2 x params)."""
+        own = float(self.plan.bytes_per_rank[self.rank])
+        if self.regime == "backward":
+            return self.plan.full_bytes + own * (1 + optimizer_state_per_param)
+        return own * (2 + optimizer_state_per_param)
+
+    def extra_repr(self) -> str:
+        return (f"regime={self.regime!r}, level={self.plan.level!r}, rank={self.rank}/{self.world_size}, "
+                f"coverage={self.plan.coverage}, sync_every={self.sync_every}, strategy={self.strategy!r}")
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

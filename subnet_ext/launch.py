@@ -1,0 +1,83 @@
+"""Process launch: run under torchrun, or start N local workers on one machine.
+
+Under torchrun the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+LOCAL_RANK) is already set; otherwise `spawn_local` starts `nproc` workers that
+rendezvous on 127.0.0.1 at a free port, each with one thread per core share.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import traceback
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def pick_backend(requested: str = "auto", device: str = "auto") -> tuple[str, torch.device]:
+    """(backend, device): NCCL on GPUs, gloo on CPUs, unless asked otherwise."""
+    if requested not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"--backend must be auto, gloo or nccl, got {requested!r}")
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"--device must be auto, cpu or cuda, got {device!r}")
+    use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+    if use_cuda and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but no GPU is visible")
+    backend = ("nccl" if use_cuda else "gloo") if requested == "auto" else requested
+    if backend == "nccl" and not use_cuda:
+        raise ValueError("--backend nccl needs --device cuda (NCCL runs on GPUs only)")
+    if use_cuda:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local % torch.cuda.device_count())
+        return backend, torch.device("cuda", torch.cuda.current_device())
+    return backend, torch.device("cpu")
+
+
+def init_distributed(backend: str, timeout_s: float = 300.0) -> None:
+    """init_process_group from the environment, with a bounded timeout (no endless hangs)."""
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _worker(local_rank: int, nproc: int, port: int, fn: Callable, args, threads: int) -> None:
+    os.environ.update(
+        RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nproc),
+        LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        OMP_NUM_THREADS=str(threads),
+    )
+    torch.set_num_threads(threads)
+    try:
+        fn(args)
+    except BaseException:
+        traceback.print_exc()
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn_local(fn: Callable, args, nproc: int) -> None:
+    """Run fn(args) in `nproc` local worker processes; raises if any worker fails.
+
+    Oversubscribed ranks on few cores run many times slower, so each worker gets
+    max(1, cores // nproc) threads.
+    """
+    if nproc < 1:
+        raise ValueError(f"--nproc must be at least 1, got {nproc}")
+    threads = max(1, (os.cpu_count() or 1) // nproc)
+    mp.start_processes(_worker, args=(nproc, free_port(), fn, args, threads), nprocs=nproc, join=True,
+                       start_method="spawn")

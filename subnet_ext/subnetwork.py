@@ -1,0 +1,214 @@
+"""Module surgery: turn the full model into this rank's subnetwork, in place.
+
+Forward regime (`materialise_forward`): sliced tensors become compact (only the owned
+rows/columns, in global order), skipped blocks are replaced by their shortcut path, so
+the memory of what is not owned is released.
+
+Backward regime (`prepare_backward`): the full tensors stay (the forward is the full
+model) but stop being parameters; each owned piece becomes a Parameter that is a *view*
+of its full tensor, so the optimizer updates the full tensor in place and keeps state
+only for owned pieces. Linear layers compute the owned weight gradient with the masked
+backward kernel; other layers (convs, norms) route the gradient through a
+concatenation of detached and owned slices.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn as nn
+
+from . import ops
+from .pieces import Piece, owned_indices
+
+
+def split_name(name: str) -> tuple[str, str]:
+    path, _, leaf = name.rpartition(".")
+    return path, leaf
+
+
+class SkippedBlock(nn.Module):
+    """What a rank runs for a block it does not own: the residual path only.
+
+    skip="identity": returns its input (pre-norm transformer and MLP blocks).
+    skip="shortcut": relu(downsample(x)) or relu(x), the ResNet block without its branch;
+    the shortcut projection is kept (shared), so a shape-changing block stays maskable.
+    """
+
+    def __init__(self, block: nn.Module, skip: str):
+        super().__init__()
+        self.skip = skip
+        ds = getattr(block, "downsample", None)
+        self.downsample = ds if (skip == "shortcut" and isinstance(ds, nn.Module)) else None
+        if isinstance(block, nn.TransformerEncoderLayer):
+            # nn.TransformerEncoder reads layers[0].self_attn.batch_first before running.
+            self.self_attn = types.SimpleNamespace(batch_first=block.self_attn.batch_first)
+
+    def forward(self, x, *args, **kwargs):
+        if self.skip == "shortcut":
+            return torch.relu(self.downsample(x) if self.downsample is not None else x)
+        return x
+
+    def extra_repr(self) -> str:
+        return f"skip={self.skip!r}"
+
+
+_WIDTH_ATTRS = {0: ("out_features", "out_channels", "num_features", "normalized_shape"),
+                1: ("in_features", "in_channels")}
+
+
+def _replace(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    path, leaf = split_name(name)
+    module = model.get_submodule(path)
+    if leaf in module._parameters:
+        old = module._parameters[leaf]
+        module._parameters[leaf] = nn.Parameter(tensor, requires_grad=old.requires_grad)
+    else:
+        module._buffers[leaf] = tensor
+
+
+def _fix_width_attrs(module: nn.Module, dim: int, width: int) -> None:
+    for attr in _WIDTH_ATTRS[dim]:
+        if isinstance(getattr(module, attr, None), int):
+            setattr(module, attr, width)
+
+
+class _InverseScale:
+    """Pre-hook scaling a consumer's input by full width / kept width (inverted dropout)."""
+
+    def __init__(self, factor: float):
+        self.factor = factor
+
+    def __call__(self, module, args):
+        return (args[0] * self.factor,) + tuple(args[1:])
+
+
+def materialise_forward(model: nn.Module, plan, pieces: list[Piece], rank: int, scale: str) -> list:
+    """Forward regime, in place. Returns the hook handles it installed (scale="inverse")."""
+    if plan.level == "block":
+        for g, (a, _) in zip(plan.groups, plan.unit_ranges):
+            if not bool(plan.owners[rank, a]):
+                path, leaf = split_name(g.path)
+                parent = model.get_submodule(path)
+                setattr(parent, leaf, SkippedBlock(parent.get_submodule(leaf), g.skip))
+        return []
+    handles = []
+    for g, (a, b) in zip(plan.groups, plan.unit_ranges):
+        for m in g.members:
+            dim, idx = owned_indices(pieces, rank, m.name)
+            full = model.get_parameter(m.name) if not m.buffer else model.get_buffer(m.name)
+            with torch.no_grad():
+                compact = full.detach().index_select(dim, idx.to(full.device)).contiguous()
+            _replace(model, m.name, compact)
+            _fix_width_attrs(model.get_submodule(split_name(m.name)[0]), dim, compact.shape[dim])
+        if scale == "inverse":
+            kept = int(plan.owners[rank, a:b].sum())
+            for c in g.consumers:
+                handles.append(model.get_submodule(c).register_forward_pre_hook(_InverseScale(g.size / kept)))
+    return handles
+
+
+class _OwnedLinearFunction(torch.autograd.Function):
+    """y = x W^T + b with the full W; backward gives dense grad_x but the weight (and
+    bias) gradient only for the owned rows or columns, computed by the masked kernel."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, dim, idx, splits, n_weight_views, *views):
+        ctx.save_for_backward(x, weight, idx)
+        ctx.dim, ctx.splits, ctx.n_weight_views = dim, splits, n_weight_views
+        ctx.bias_is_param = bias is not None and bias.requires_grad
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight, idx = ctx.saved_tensors
+        g2 = grad_y.reshape(-1, grad_y.shape[-1]).contiguous()
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        rows, cols = (idx, None) if ctx.dim == 0 else (None, idx)
+        owned_bias = ctx.dim == 0 and len(ctx.needs_input_grad) > 7 + ctx.n_weight_views
+        gx, gw, gb = ops.masked_linear_backward(
+            g2, x2, weight, rows, cols, compact_weight=False, grad_out_full=True, dense_grad_input=True,
+            output_mask=(ctx.needs_input_grad[0], True, owned_bias))
+        grads = list(gw.split(ctx.splits, dim=ctx.dim))
+        if owned_bias:
+            grads += list(gb.split(ctx.splits))
+        grad_x = gx.reshape(x.shape) if gx is not None else None
+        grad_bias = g2.sum(0) if ctx.bias_is_param else None
+        return (grad_x, None, grad_bias, None, None, None, None, *grads)
+
+
+def _owned_linear_forward(module, x):
+    weight_views = [getattr(module, n) for n in module._sdp_views["weight"]]
+    bias_views = [getattr(module, n) for n in module._sdp_views.get("bias", [])]
+    bias = module.bias_full if "bias" in module._sdp_views else module.bias
+    return _OwnedLinearFunction.apply(x, module.weight_full, bias, module._sdp_dim, module._sdp_idx,
+                                      module._sdp_splits, len(weight_views), *weight_views, *bias_views)
+
+
+class _AssembleOwned:
+    """Pre-hook for non-linear layers: attr = full tensor with the owned slices swapped for
+    their Parameters (same values), so autograd delivers gradient to the owned slices only."""
+
+    def __init__(self, attrs):
+        self.attrs = attrs  # attr -> (dim, [(start, length, view name)])
+
+    def __call__(self, module, args):
+        for attr, (dim, runs) in self.attrs.items():
+            full = getattr(module, attr + "_full")
+            parts, pos = [], 0
+            for start, length, view in runs:
+                if start > pos:
+                    parts.append(full.narrow(dim, pos, start - pos))
+                parts.append(getattr(module, view))
+                pos = start + length
+            if pos < full.shape[dim]:
+                parts.append(full.narrow(dim, pos, full.shape[dim] - pos))
+            object.__setattr__(module, attr, torch.cat(parts, dim))
+
+
+def prepare_backward(model: nn.Module, plan, pieces: list[Piece], rank: int):
+    """Backward regime, in place.
+
+    Returns:
+        piece_params: {piece: Parameter} for the owned sliced pieces (views of the full tensors).
+        value_refs: {state-dict name: (module, attribute)} where each full tensor now lives.
+    """
+    piece_params, value_refs = {}, {}
+    if plan.level == "block":
+        for g, (a, _) in zip(plan.groups, plan.unit_ranges):
+            if not bool(plan.owners[rank, a]):
+                for n in g.params:
+                    model.get_parameter(n).requires_grad_(False)
+        return piece_params, value_refs
+    by_module = {}
+    for p in pieces:
+        if p.sliced and p.is_param:
+            by_module.setdefault(split_name(p.name)[0], []).append(p)
+    for path, mine in by_module.items():
+        module = model.get_submodule(path)
+        views, attrs = {}, {}
+        for leaf in dict.fromkeys(split_name(p.name)[1] for p in mine):
+            full = module._parameters.pop(leaf).detach().requires_grad_(False)
+            module.register_buffer(leaf + "_full", full, persistent=False)
+            value_refs[f"{path}.{leaf}" if path else leaf] = (module, leaf + "_full")
+            runs = []
+            for i, p in enumerate(q for q in mine if split_name(q.name)[1] == leaf and rank in q.owners):
+                view_name = f"{leaf}_owned{i}"
+                param = nn.Parameter(full.narrow(p.dim, p.start, p.length))
+                module.register_parameter(view_name, param)
+                piece_params[p] = param
+                runs.append((p.start, p.length, view_name))
+            views[leaf] = [v for _, _, v in runs]
+            attrs[leaf] = (next(p.dim for p in mine if split_name(p.name)[1] == leaf), runs)
+        if isinstance(module, nn.Linear) and set(attrs) <= {"weight", "bias"} and "weight" in attrs:
+            dim, runs = attrs["weight"]
+            module._sdp_views, module._sdp_dim = views, dim
+            module._sdp_splits = [length for _, length, _ in runs]
+            module._sdp_idx = torch.cat([torch.arange(s, s + n) for s, n, _ in runs]).to(module.weight_full.device) \
+                if runs else torch.empty(0, dtype=torch.long, device=module.weight_full.device)
+            if not runs:
+                raise ValueError(f"rank {rank} owns no slice of {path!r} (backward regime needs at least one)")
+            module.forward = types.MethodType(_owned_linear_forward, module)
+        else:
+            module.register_forward_pre_hook(_AssembleOwned(attrs))
+    return piece_params, value_refs

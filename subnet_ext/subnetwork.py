@@ -190,6 +190,7 @@ def prepare_backward(model: nn.Module, plan, pieces: list[Piece], rank: int):
         for leaf in dict.fromkeys(split_name(p.name)[1] for p in mine):
             full = module._parameters.pop(leaf).detach().requires_grad_(False)
             module.register_buffer(leaf + "_full", full, persistent=False)
+            object.__setattr__(module, leaf, full)  # code reading e.g. q_proj.weight.shape keeps working
             value_refs[f"{path}.{leaf}" if path else leaf] = (module, leaf + "_full")
             runs = []
             for i, p in enumerate(q for q in mine if split_name(q.name)[1] == leaf and rank in q.owners):

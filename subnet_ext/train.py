@@ -1,0 +1,127 @@
+"""`subnet-train`: train with SDP, DDP or FSDP2, and compare them side by side.
+
+    subnet-train --method sdp --level block --regime forward --coverage 0.5 --nproc 2
+    torchrun --nproc-per-node 8 -m subnet_ext.train --method sdp --model llama --preset 134m ...
+    subnet-train compare            # DDP and the four SDP variants, one table (make demo)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from .launch import free_port, spawn_local, under_torchrun
+
+METHODS = ("ddp", "fsdp", "sdp")
+MODELS = ("mlp", "resnet", "llama")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="subnet-train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--method", choices=METHODS, default="sdp", help="training method (default sdp)")
+    p.add_argument("--model", choices=MODELS, default="mlp")
+    p.add_argument("--preset", default=None, help="model preset (mlp: tiny; resnet: tiny|small|resnet18; "
+                                                  "llama: tiny|small|medium|134m|1b)")
+    p.add_argument("--width", type=int, default=None, help="override the preset's width")
+    p.add_argument("--data", default="digits",
+                   help="digits (bundled, default) | cifar:PATH (python-pickle layout) | synthetic | tokens:PATH.bin")
+    sdp = p.add_argument_group("SDP")
+    sdp.add_argument("--level", choices=("block", "neuron"), default="block")
+    sdp.add_argument("--regime", choices=("forward", "backward"), default="forward")
+    sdp.add_argument("--coverage", type=float, default=0.5, help="fraction of ranks owning each unit, in (0, 1]")
+    sdp.add_argument("--sync-every", type=int, default=1, help="H: average parameters every H steps (H>1)")
+    sdp.add_argument("--scale", choices=("none", "inverse"), default="none")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch-size", type=int, default=32, help="per rank")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (llama)")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: only at the end)")
+    run = p.add_argument_group("launch")
+    run.add_argument("--nproc", type=int, default=None, help="start N local workers (not under torchrun)")
+    run.add_argument("--backend", default="auto", help="auto (nccl on GPU, gloo on CPU) | gloo | nccl")
+    run.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    run.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
+    ck = p.add_argument_group("checkpoints and output")
+    ck.add_argument("--save-dir", default=None)
+    ck.add_argument("--save-every", type=int, default=0)
+    ck.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --save-dir")
+    ck.add_argument("--out", default=None, help="folder for report.json, report.md and plots")
+    ck.add_argument("--stop-after", type=int, default=0, help=argparse.SUPPRESS)  # interruption, for tests
+    return p
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Rejects values argparse's types cannot, with the value in the message."""
+    if not 0.0 < args.coverage <= 1.0:
+        p.error(f"--coverage must be in (0, 1], got {args.coverage}")
+    for name in ("steps", "batch_size", "seq_len", "sync_every"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    for name in ("eval_every", "save_every", "stop_after"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if not args.lr > 0:
+        p.error(f"--lr must be positive, got {args.lr}")
+    if args.nproc is not None and args.nproc < 1:
+        p.error(f"--nproc must be at least 1, got {args.nproc}")
+    if args.resume and not args.save_dir:
+        p.error("--resume needs --save-dir")
+    if args.timeout <= 0:
+        p.error(f"--timeout must be positive, got {args.timeout}")
+    if args.data.startswith(("cifar:", "tokens:")) and not os.path.exists(args.data.split(":", 1)[1]):
+        p.error(f"--data {args.data}: path {args.data.split(':', 1)[1]!r} does not exist")
+
+
+def run(args: argparse.Namespace) -> dict | None:
+    """Runs one training job in this process tree; returns rank 0's report when local."""
+    from .training.loop import run_worker
+
+    if under_torchrun():
+        return run_worker(args)
+    nproc = args.nproc or 1
+    if nproc == 1:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+        try:
+            return run_worker(args)
+        finally:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    if not args.out:  # the workers hand their report back through this folder
+        import tempfile
+
+        args.out = tempfile.mkdtemp(prefix="subnet-train-")
+    spawn_local(run_worker, args, nproc)
+    if args.out and os.path.exists(os.path.join(args.out, "report.json")):
+        with open(os.path.join(args.out, "report.json")) as f:
+            return json.load(f)
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "compare":
+        from .training.compare import main as compare_main
+
+        return compare_main(argv[1:])
+    if argv and argv[0] == "train":
+        argv = argv[1:]
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    report = run(args)
+    if report is not None and not under_torchrun():
+        from .training.report import markdown_table
+
+        print(markdown_table([report], baseline_label=report["label"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

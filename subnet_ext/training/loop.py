@@ -1,0 +1,173 @@
+"""One rank's training run: set up the method, step, evaluate, checkpoint, report.
+
+Every rank executes the same sequence of collectives; only rank 0 prints and writes
+the report. Batches depend only on (seed, step, rank), so a resumed run sees the
+batches the interrupted one would have seen.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from argparse import Namespace
+
+import torch
+import torch.distributed as dist
+
+from ..launch import init_distributed, pick_backend
+from . import checkpointing
+from .methods import ActivationMeter, DDPMethod, FSDPMethod, SDPMethod, peak_rss_bytes
+from .tasks import build_task
+
+
+def make_method(args: Namespace, model, device):
+    if args.method == "ddp":
+        return DDPMethod(model, device)
+    if args.method == "fsdp":
+        return FSDPMethod(model, device)
+    from ..plan import plan_subnetworks
+
+    plan = plan_subnetworks(model, world_size=dist.get_world_size(), coverage=args.coverage, level=args.level,
+                            seed=args.seed)
+    return SDPMethod(model, plan, args.regime, args.sync_every, args.scale)
+
+
+@torch.no_grad()
+def evaluate(method, task, device) -> dict:
+    """{"full": metrics, "ensemble": metrics?}; metrics = loss (nats) and accuracy."""
+    sums = {}
+    for x, y in task.eval_batches():
+        x, y = x.to(device), y.to(device)
+        for mode, logits in method.eval_logits(x).items():
+            loss, correct, n = task.score(logits, y)
+            acc = sums.setdefault(mode, [0.0, 0.0, 0])
+            acc[0] += loss
+            acc[1] += correct
+            acc[2] += n
+    return {mode: {"loss": s[0] / s[2], "accuracy": s[1] / s[2]} for mode, s in sums.items()}
+
+
+def run_worker(args: Namespace) -> dict | None:
+    """Train on this rank; returns the report on rank 0 (None elsewhere)."""
+    backend, device = pick_backend(args.backend, args.device)
+    init_distributed(backend, timeout_s=args.timeout)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    task = build_task(args.data, args.model, args.preset, args.batch_size, args.seq_len, args.seed, args.width)
+    torch.manual_seed(args.seed)  # the same initial model on every rank
+    model = task.make_model().to(device)
+    method = make_method(args, model, device)
+    optimizer = torch.optim.AdamW(method.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+
+    start, history = 0, {"step": [], "loss": [], "eval": []}
+    if args.resume:
+        start, history = checkpointing.resume(args.save_dir, method, optimizer, args)
+    progress = _progress(rank, start, args.steps)
+    step_times, memory, activation_bytes = [], None, None
+    for step in range(start, args.steps):
+        x, y = task.batch(step, rank, world)
+        x, y = x.to(device), y.to(device)
+        t0 = time.perf_counter()
+        meter = ActivationMeter() if memory is None else None
+        with meter if meter is not None else _nothing():
+            loss = task.loss(method(x), y)
+        loss.backward()
+        if memory is None:
+            activation_bytes = meter.bytes
+        optimizer.step()
+        if memory is None:
+            memory = method.memory(optimizer)  # grads still allocated: measured before zero_grad
+        optimizer.zero_grad(set_to_none=True)
+        method.after_step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        step_times.append(time.perf_counter() - t0)
+        history["step"].append(step + 1)
+        history["loss"].append(loss.item())
+        progress.update(1)
+        progress.set_postfix(loss=f"{history['loss'][-1]:.4f}")
+        if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
+            history["eval"].append({"step": step + 1, **evaluate(method, task, device)})
+        if args.save_dir and args.save_every and (step + 1) % args.save_every == 0:
+            checkpointing.save(args.save_dir, step + 1, method, optimizer, history, args)
+        if args.stop_after and step + 1 - start >= args.stop_after:
+            progress.close()
+            return None  # a deliberate interruption, for resume tests
+    progress.close()
+    final = evaluate(method, task, device)
+    history["eval"].append({"step": args.steps, **final})
+    if args.save_dir:
+        checkpointing.save(args.save_dir, args.steps, method, optimizer, history, args)
+    local = {
+        "rank": rank,
+        "memory": memory,
+        "activation_bytes": activation_bytes,
+        "peak_rss_bytes": peak_rss_bytes(),
+        "peak_cuda_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
+        "step_time_s": _median(step_times[1:] or step_times),
+    }
+    per_rank = [None] * world
+    dist.all_gather_object(per_rank, local)
+    comm = method.comm()
+    if rank != 0:
+        return None
+    report = _report(args, task, method, per_rank, comm, final, history, world)
+    if args.out:
+        from .report import write_run_report
+
+        write_run_report(report, args.out)
+    return report
+
+
+def _report(args, task, method, per_rank, comm, final, history, world):
+    step_time = max(r["step_time_s"] for r in per_rank)
+    samples = args.batch_size * world * (args.seq_len if task.kind == "language" else 1)
+    return {
+        "method": args.method,
+        "label": _label(args),
+        "model": args.model, "preset": args.preset, "data": args.data, "task": task.kind,
+        "loss_floor": task.floor,
+        "world_size": world, "steps": args.steps, "batch_size_per_rank": args.batch_size,
+        "sdp": {"level": args.level, "regime": args.regime, "coverage": args.coverage,
+                "sync_every": args.sync_every, "scale": args.scale} if args.method == "sdp" else None,
+        "plan": method.plan.summary() if args.method == "sdp" else None,
+        "final": final,
+        "per_rank": per_rank,
+        "comm": comm,
+        "step_time_s": step_time,
+        "throughput_per_s": samples / step_time if step_time > 0 else None,
+        "throughput_unit": "tokens" if task.kind == "language" else "samples",
+        "history": history,
+    }
+
+
+def _label(args):
+    if args.method != "sdp":
+        return args.method
+    return f"sdp-{args.level}-{args.regime}-c{args.coverage:g}"
+
+
+def _median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else 0.0
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _progress(rank, start, total):
+    from tqdm import tqdm
+
+    # A bar only where someone watches: rank 0 on a terminal (logs and CI get the final table).
+    return tqdm(total=total, initial=start, disable=rank != 0 or not sys.stderr.isatty(), desc="train",
+                leave=False, dynamic_ncols=True, mininterval=0.5)
+
+
+def dump_json(obj, path):
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, default=str)

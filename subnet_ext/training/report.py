@@ -1,0 +1,132 @@
+"""Reports of training runs: JSON, a Markdown table and PNG plots (matplotlib).
+
+Every figure in a table is read from the run's measurements; nothing is typed in.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+
+def _mib(b):
+    return "n/a" if b is None else f"{b / 2**20:.3f}"
+
+
+def _rank_max(report, key):
+    values = [r["memory"][key] for r in report["per_rank"] if r["memory"] and key in r["memory"]]
+    return max(values) if values else None
+
+
+def summary_row(report: dict, baseline: dict | None = None) -> dict:
+    """The headline figures of one run (worst rank for memory), with ratios to a baseline."""
+    final = report["final"]
+    quality = final["full"]["accuracy"] if report["task"] == "classification" else final["full"]["loss"]
+    row = {
+        "run": report["label"],
+        "quality": quality,
+        "ensemble": final.get("ensemble", {}).get("accuracy" if report["task"] == "classification" else "loss"),
+        "model_state_bytes": _rank_max(report, "model_state"),
+        "param_bytes": _rank_max(report, "parameters"),
+        "grad_bytes": _rank_max(report, "gradients"),
+        "optim_bytes": _rank_max(report, "optimizer_state"),
+        "activation_bytes": max((r["activation_bytes"] or 0) for r in report["per_rank"]),
+        "peak_rss_bytes": max(r["peak_rss_bytes"] for r in report["per_rank"]),
+        "comm_bytes_per_step": report["comm"]["bytes_per_step"],
+        "collectives_per_step": report["comm"]["collectives_per_step"],
+        "comm_source": report["comm"].get("source", ""),
+        "step_time_s": report["step_time_s"],
+        "throughput": report["throughput_per_s"],
+    }
+    if baseline is not None:
+        base = summary_row(baseline)
+        for key in ("model_state_bytes", "comm_bytes_per_step", "step_time_s", "activation_bytes"):
+            row[f"{key}_vs_base"] = row[key] / base[key] if base[key] else None
+        row["quality_minus_base"] = row["quality"] - base["quality"]
+    return row
+
+
+def markdown_table(reports: list[dict], baseline_label: str = "ddp") -> str:
+    """One row per run; ratios against the run labelled `baseline_label` (if present)."""
+    base = next((r for r in reports if r["label"] == baseline_label), None)
+    kind = reports[0]["task"]
+    qname = "test acc" if kind == "classification" else "eval loss"
+    head = (f"| run | {qname} (full) | {qname} (ensemble) | Δ vs {baseline_label} | model state MiB/rank | ×{baseline_label} "
+            "| params | grads | optim | activations MiB | comm MiB/step | ×ddp | collectives/step | step ms | ×ddp "
+            f"| {reports[0]['throughput_unit']}/s |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for rep in reports:
+        r = summary_row(rep, base)
+        fmt_q = (lambda v: "n/a" if v is None else (f"{100 * v:.2f}%" if kind == "classification" else f"{v:.4f}"))
+        delta = r.get("quality_minus_base")
+        delta_s = "n/a" if delta is None else (f"{100 * delta:+.2f} pp" if kind == "classification" else f"{delta:+.4f}")
+        ratio = lambda k: "n/a" if r.get(k) is None else f"{r[k]:.3f}"  # noqa: E731
+        lines.append(
+            f"| {r['run']} | {fmt_q(r['quality'])} | {fmt_q(r['ensemble'])} | {delta_s} | {_mib(r['model_state_bytes'])} "
+            f"| {ratio('model_state_bytes_vs_base')} | {_mib(r['param_bytes'])} | {_mib(r['grad_bytes'])} "
+            f"| {_mib(r['optim_bytes'])} | {_mib(r['activation_bytes'])} | {_mib(r['comm_bytes_per_step'])} "
+            f"| {ratio('comm_bytes_per_step_vs_base')} | {r['collectives_per_step']:.1f} | {1e3 * r['step_time_s']:.2f} "
+            f"| {ratio('step_time_s_vs_base')} | {r['throughput']:.0f} |"
+        )
+    sources = sorted({summary_row(rep)["comm_source"] for rep in reports})
+    lines.append("")
+    lines.append("Memory: worst rank, bytes of parameters + gradients + optimizer state held by that rank; "
+                 "activations: bytes saved for backward in one step (tensor accounting). "
+                 "Comm: bytes handed to collectives per step (" + "; ".join(sources) + ").")
+    return "\n".join(lines)
+
+
+def plot_runs(reports: list[dict], path_prefix: str) -> list[str]:
+    """Loss curves and memory per rank by method; returns the PNG paths written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for rep in reports:
+        h = rep["history"]
+        ax.plot(h["step"], _smooth(h["loss"]), label=rep["label"])
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (rank 0, smoothed)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    paths.append(f"{path_prefix}loss.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    labels = [rep["label"] for rep in reports]
+    parts = [("parameters", "params"), ("gradients", "grads"), ("optimizer_state", "optimizer")]
+    bottom = [0.0] * len(reports)
+    for key, name in parts:
+        values = [(_rank_max(rep, key) or 0) / 2**20 for rep in reports]
+        ax.bar(labels, values, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_ylabel("model-state MiB per rank (worst rank)")
+    ax.tick_params(axis="x", rotation=30, labelsize=8)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(f"{path_prefix}memory.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+def _smooth(xs, k=10):
+    out, acc = [], 0.0
+    for i, x in enumerate(xs):
+        acc = x if i == 0 else acc + (x - acc) / min(k, i + 1)
+        out.append(acc)
+    return out
+
+
+def write_run_report(report: dict, out_dir: str) -> None:
+    """report.json, report.md, loss.png and memory.png for one run."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "report.json"), "w") as f:
+        json.dump(report, f, indent=2, default=str)
+    with open(os.path.join(out_dir, "report.md"), "w") as f:
+        f.write(markdown_table([report], baseline_label=report["label"]) + "\n")
+    plot_runs([report], os.path.join(out_dir, ""))

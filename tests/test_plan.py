@@ -145,3 +145,14 @@ def test_single_rank_equals_plain_training(arch, level, regime):
     full, ref = sdp.full_state_dict(), reference.state_dict()
     for k in ref:
         torch.testing.assert_close(full[k], ref[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_plan_cli_1b_at_world_size_8(capsys):
+    from subnet_ext.plan_cli import main
+
+    assert main(["--model", "llama", "--preset", "1b", "--world-size", "8", "--coverage", "0.25"]) == 0
+    out = capsys.readouterr().out
+    assert "1100.0M parameters" in out and "| ddp |" in out and "| fsdp |" in out and "sdp (block" in out
+    with pytest.raises(SystemExit):
+        main(["--coverage", "0"])
+    assert "--coverage must be in (0, 1]" in capsys.readouterr().err

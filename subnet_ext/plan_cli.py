@@ -1,0 +1,88 @@
+"""`subnet-plan`: the plan and its predicted costs against DDP and FSDP, without training.
+
+    subnet-plan --model llama --preset 1b --world-size 8 --coverage 0.25 --level block
+
+The model is built on the meta device (no memory, instant even for the 1B preset).
+Model state assumes fp32 parameters and gradients and AdamW (8 bytes per parameter);
+communication is per step, as ring all-reduce bytes moved per rank (DESIGN.md §2).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from .costs import choose_strategy, predicted_comm
+from .models import LLAMA_PRESETS, build_model
+from .plan import plan_subnetworks
+
+MIB = 2 ** 20
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="subnet-plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=("mlp", "resnet", "llama"), default="llama")
+    p.add_argument("--preset", default=None, help=f"llama preset: {', '.join(LLAMA_PRESETS)} (default tiny)")
+    p.add_argument("--width", type=int, default=None, help="mlp/resnet width")
+    p.add_argument("--world-size", type=int, default=8)
+    p.add_argument("--coverage", type=float, default=0.5)
+    p.add_argument("--level", choices=("block", "neuron"), default="block")
+    p.add_argument("--regime", choices=("forward", "backward"), default="forward")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="also write the plan as JSON to this path")
+    return p
+
+
+def cost_table(plan, regime: str) -> str:
+    """Markdown table: worst-rank model state and per-step communication of DDP, FSDP, SDP."""
+    k, full = plan.world_size, plan.full_bytes
+    strategy, _ = choose_strategy(plan)
+    sdp_state = max(float(plan.bytes_per_rank[r]) * (4 if regime == "forward" else 3) +
+                    (full if regime == "backward" else 0) for r in range(k))
+    sdp_comm = [predicted_comm(plan, r, strategy, regime) for r in range(k)]
+    rows = [
+        ("ddp", 4 * full, 2 * (k - 1) / k * full, "per bucket"),
+        ("fsdp", 4 * full / k, 3 * (k - 1) / k * full, "3 per layer"),
+        (f"sdp ({plan.level}, {regime}, C={plan.coverage:g}, {strategy})", sdp_state,
+         max(c["ring_bytes"] for c in sdp_comm), max(c["collectives"] for c in sdp_comm)),
+    ]
+    lines = ["| method | model state MiB/rank | ×ddp | comm MiB/step/rank | ×ddp | collectives/step |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for name, state, comm, count in rows:
+        ratio = comm / rows[0][2] if rows[0][2] else float("nan")
+        lines.append(f"| {name} | {state / MIB:.1f} | {state / rows[0][1]:.3f} | {comm / MIB:.2f} | "
+                     f"{ratio:.3f} | {count} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.world_size < 1:
+        parser.error(f"--world-size must be at least 1, got {args.world_size}")
+    if not 0.0 < args.coverage <= 1.0:
+        parser.error(f"--coverage must be in (0, 1], got {args.coverage}")
+    kw = {} if args.model == "llama" else {"in_features": 64, "in_channels": 3, "num_classes": 10}
+    if args.width is not None:
+        kw["width"] = args.width
+    try:
+        with torch.device("meta"):
+            model = build_model(args.model, preset=args.preset, **kw)
+        plan = plan_subnetworks(model, args.world_size, args.coverage, args.level, args.seed)
+    except ValueError as e:
+        parser.error(str(e))
+    n = sum(p.numel() for p in model.parameters())
+    print(f"model {args.model}{' ' + args.preset if args.preset else ''}: {n / 1e6:.1f}M parameters\n")
+    print(plan.summary())
+    print("\nPredicted per-rank costs (fp32 + AdamW; ring all-reduce bytes):\n")
+    print(cost_table(plan, args.regime))
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(plan.to_json())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

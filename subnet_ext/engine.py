@@ -308,8 +308,11 @@ class SubnetDataParallel(nn.Module):
         if optimizer is not None:
             state = nbytes([v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)])
         buffers = nbytes(list(self.module.buffers()))
+        # Peak activations are measurable on CUDA (allocator peak, which includes the model
+        # state); on CPU the training loop measures them with saved-tensor accounting.
+        peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
         return {"parameters": params, "gradients": grads, "optimizer_state": state, "buffers": buffers,
-                "model_state": params + grads + state}
+                "model_state": params + grads + state, "peak_allocated": peak}
 
     def predicted_model_state_bytes(self, optimizer_state_per_param: float = 2.0) -> float:
         """Plan's prediction of parameters + gradients + optimizer state (Adam: 2 x params)."""

@@ -8,7 +8,6 @@
 #include <ATen/ops/index_select.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/sum.h>
-#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -68,7 +67,7 @@ Shapes check_operands(const char* op, const at::Tensor& x, const at::Tensor& wei
 }
 
 // W[R][:, S] as a contiguous [|R|, |S|] tensor (the weight itself when nothing is selected).
-at::Tensor weight_block(const at::Tensor& weight, const OptTensor& out_idx, const OptTensor& in_idx,
+at::Tensor gather_weight_block(const at::Tensor& weight, const OptTensor& out_idx, const OptTensor& in_idx,
                         bool compact_weight, const Shapes& s, const IndexKernels& k) {
   if (compact_weight || (!out_idx.has_value() && !in_idx.has_value())) return weight;
   const at::Tensor src = weight.contiguous();
@@ -86,12 +85,27 @@ at::Tensor gather_columns(const at::Tensor& t2d, const OptTensor& cols, const In
   return dst;
 }
 
-// [B, n] placed at columns `cols` of a zero [B, width] tensor.
+// [B, n] placed at columns `cols` of a zero [B, width] tensor (the kernel writes the zeros
+// row by row while the row is in cache, instead of a separate zero-fill pass).
 at::Tensor scatter_columns(const at::Tensor& t2d, const OptTensor& cols, int64_t width, const IndexKernels& k) {
   if (!cols.has_value()) return t2d;
-  at::Tensor dst = at::zeros({t2d.size(0), width}, t2d.options());
+  at::Tensor dst = at::empty({t2d.size(0), width}, t2d.options());
   k.scatter_columns(t2d.contiguous(), *cols, dst);
   return dst;
+}
+
+// A saved operand of the forward, checked against the shape the backward expects; an
+// absent or 1-D empty tensor means "not saved: gather it here".
+bool use_saved(const char* op, const char* name, const OptTensor& saved, int64_t rows, int64_t cols,
+               const at::Tensor& like) {
+  if (!saved.has_value() || (saved->dim() == 1 && saved->numel() == 0)) return false;
+  TORCH_CHECK_VALUE(saved->dim() == 2 && saved->size(0) == rows && saved->size(1) == cols, op, ": ", name,
+                    " must have shape [", rows, ", ", cols, "] (as masked_linear_forward returns it), got ",
+                    saved->sizes());
+  TORCH_CHECK_VALUE(saved->scalar_type() == like.scalar_type() && saved->device() == like.device(), op, ": ",
+                    name, " is ", saved->scalar_type(), " on ", saved->device(), " but x is ", like.scalar_type(),
+                    " on ", like.device());
+  return true;
 }
 
 std::vector<int64_t> with_last(c10::IntArrayRef sizes, int64_t last) {
@@ -104,7 +118,7 @@ std::vector<int64_t> with_last(c10::IntArrayRef sizes, int64_t last) {
 
 at::Tensor masked_linear_impl(const char* op, const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
                               const OptTensor& out_idx, const OptTensor& in_idx, bool compact_weight,
-                              int64_t scatter_width, const IndexKernels& k) {
+                              int64_t scatter_width, const IndexKernels& k, GatheredOperands* gathered) {
   TORCH_CHECK_VALUE(scatter_width >= -1, op, ": scatter_width must be -1 (compact output) or a width, got ",
                     scatter_width);
   const int64_t out_bound = scatter_width >= 0 ? scatter_width : kNoBound;
@@ -125,16 +139,30 @@ at::Tensor masked_linear_impl(const char* op, const at::Tensor& x, const at::Ten
   }
   const at::Tensor x2 = x.reshape({-1, s.x_width});
   const at::Tensor xs = gather_columns(x2, in_idx, k);
-  const at::Tensor w = weight_block(weight, out_idx, in_idx, compact_weight, s, k);
+  const at::Tensor w = gather_weight_block(weight, out_idx, in_idx, compact_weight, s, k);
   const at::Tensor y = bias_block.defined() ? at::addmm(bias_block, xs, w.t()) : at::mm(xs, w.t());
+  if (gathered != nullptr) {
+    if (in_idx.has_value()) gathered->x_kept = xs;
+    if (!w.is_same(weight)) gathered->weight_block = w;
+  }
   if (scatter_width < 0) return y.view(with_last(x.sizes(), s.kept_out));
   return scatter_columns(y, out_idx, scatter_width, k).view(with_last(x.sizes(), scatter_width));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_linear_forward_impl(
+    const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias, const OptTensor& out_idx,
+    const OptTensor& in_idx, bool compact_weight, int64_t scatter_width, const IndexKernels& k) {
+  GatheredOperands gathered;
+  at::Tensor y = masked_linear_impl("subnet_ext.masked_linear_forward", x, weight, bias, out_idx, in_idx,
+                                    compact_weight, scatter_width, k, &gathered);
+  const auto or_empty = [&](const at::Tensor& t) { return t.defined() ? t : at::empty({0}, x.options()); };
+  return {y, or_empty(gathered.x_kept), or_empty(gathered.weight_block)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_linear_backward_impl(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight, const OptTensor& out_idx,
     const OptTensor& in_idx, bool compact_weight, bool grad_out_full, bool dense_grad_input,
-    std::array<bool, 3> mask, const IndexKernels& k) {
+    std::array<bool, 3> mask, const OptTensor& x_kept, const OptTensor& weight_block, const IndexKernels& k) {
   const char* op = "subnet_ext.masked_linear_backward";
   const int64_t g_width = grad_out.dim() >= 1 ? grad_out.size(-1) : 0;
   const Shapes s = check_operands(op, x, weight, out_idx, in_idx, compact_weight, grad_out_full ? g_width : kNoBound);
@@ -154,17 +182,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_linear_backward_impl(
   const at::Tensor g2 = grad_out.reshape({-1, g_width});
   const at::Tensor x2 = x.reshape({-1, s.x_width});
   const at::Tensor g_kept = grad_out_full ? gather_columns(g2, out_idx, k) : g2;
+  const bool saved_x = use_saved(op, "x_kept", x_kept, x2.size(0), s.kept_in, x);
+  const bool saved_w = use_saved(op, "weight_block", weight_block, s.kept_out, s.kept_in, x);
 
   at::Tensor grad_x, grad_w, grad_b;
   if (mask[0]) {
     if (dense_grad_input) {
       grad_x = at::mm(g2, weight).view(x.sizes());
     } else {
-      const at::Tensor w = weight_block(weight, out_idx, in_idx, compact_weight, s, k);
+      const at::Tensor w =
+          saved_w ? *weight_block : gather_weight_block(weight, out_idx, in_idx, compact_weight, s, k);
       grad_x = scatter_columns(at::mm(g_kept, w), in_idx, s.x_width, k).view(x.sizes());
     }
   }
-  if (mask[1]) grad_w = at::mm(g_kept.t(), gather_columns(x2, in_idx, k));
+  if (mask[1]) grad_w = at::mm(g_kept.t(), saved_x ? *x_kept : gather_columns(x2, in_idx, k));
   if (mask[2]) grad_b = at::sum(g_kept, {0});
   // Outputs not asked for are empty tensors (not undefined), as the fake kernel says.
   const auto empty = [&](at::Tensor& t) { if (!t.defined()) t = at::empty({0}, x.options()); };

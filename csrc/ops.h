@@ -20,18 +20,32 @@ using OptTensor = std::optional<at::Tensor>;
 struct IndexKernels {
   // dst[r, c] = src[rows ? rows[r] : r, cols ? cols[c] : c]; rows/cols may be undefined.
   void (*gather)(const at::Tensor& src, const at::Tensor& rows, const at::Tensor& cols, const at::Tensor& dst);
-  // dst[r, cols[c]] = src[r, c]; the other columns of dst are left as they are.
+  // dst[r, cols[c]] = src[r, c] and every other column of dst is zero; dst may be uninitialised.
   void (*scatter_columns)(const at::Tensor& src, const at::Tensor& cols, const at::Tensor& dst);
+};
+
+// Operands the forward gathered, handed to the backward so it need not gather them again.
+// Undefined where nothing was gathered (no in_idx; a compact weight or no index).
+struct GatheredOperands {
+  at::Tensor x_kept;        // [N, |S|], N = x.numel() / x.size(-1)
+  at::Tensor weight_block;  // [|R|, |S|]
 };
 
 at::Tensor masked_linear_impl(const char* op, const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
                               const OptTensor& out_idx, const OptTensor& in_idx, bool compact_weight,
-                              int64_t scatter_width, const IndexKernels& kernels);
+                              int64_t scatter_width, const IndexKernels& kernels,
+                              GatheredOperands* gathered = nullptr);
+
+// masked_linear_forward: (y, x_kept, weight_block), the last two an empty [0] tensor when not gathered.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_linear_forward_impl(
+    const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias, const OptTensor& out_idx,
+    const OptTensor& in_idx, bool compact_weight, int64_t scatter_width, const IndexKernels& kernels);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_linear_backward_impl(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight, const OptTensor& out_idx,
     const OptTensor& in_idx, bool compact_weight, bool grad_out_full, bool dense_grad_input,
-    std::array<bool, 3> output_mask, const IndexKernels& kernels);
+    std::array<bool, 3> output_mask, const OptTensor& x_kept, const OptTensor& weight_block,
+    const IndexKernels& kernels);
 
 void masked_linear_grad_weight_impl(const at::Tensor& out, const at::Tensor& grad_out, const at::Tensor& x,
                                     const OptTensor& out_idx, const OptTensor& in_idx, bool grad_out_full,

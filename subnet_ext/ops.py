@@ -12,6 +12,7 @@ row-major in a 1-D buffer. `segments` is an int64 CPU tensor [S, 6] with columns
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -42,6 +43,10 @@ def masked_linear(
 ) -> torch.Tensor:
     """y = x[..., S] @ W[R][:, S]^T + b[R]; differentiable in x, weight and bias.
 
+    When a gradient is needed, the gathered x[..., S] ([N, |S|]) and, for a full weight
+    with indices, W[R][:, S] ([|R|, |S|]) are kept for the backward instead of being
+    gathered again (time for memory: f·|x| and f²·|W| more saved tensors).
+
     Args:
         x: [*, I_x]. I_x = I for a full weight; for a compact weight, any width S indexes.
         weight: [O, I] full, or [|R|, |S|] when compact_weight.
@@ -52,9 +57,12 @@ def masked_linear(
     Returns:
         [*, |R|] or [*, scatter_width], dtype of x.
     """
-    return _ops.masked_linear.default(
-        x, weight, bias, out_idx, in_idx, compact_weight, -1 if scatter_width is None else int(scatter_width)
-    )
+    width = -1 if scatter_width is None else int(scatter_width)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+        # Training: the op that also returns the gathered operands, so backward reuses them
+        # instead of gathering x[..., S] and W[R][:, S] a second time.
+        return _ops.masked_linear_forward.default(x, weight, bias, out_idx, in_idx, compact_weight, width)[0]
+    return _ops.masked_linear.default(x, weight, bias, out_idx, in_idx, compact_weight, width)
 
 
 def masked_linear_backward(
@@ -68,6 +76,8 @@ def masked_linear_backward(
     grad_out_full: bool = False,
     dense_grad_input: bool = False,
     output_mask: Sequence[bool] = (True, True, True),
+    x_kept: Optional[torch.Tensor] = None,
+    weight_block: Optional[torch.Tensor] = None,
 ):
     """Gradients of the masked linear, weight gradient only for the owned block.
 
@@ -78,11 +88,15 @@ def masked_linear_backward(
             (backward regime: the forward was the full layer, only weight gradients are
             masked). Otherwise grad_x = g_R @ W_RS placed at columns S, zeros elsewhere.
         output_mask: which of (grad_x, grad_weight, grad_bias) to compute.
+        x_kept, weight_block: x[..., S] as [N, |S|] and W[R][:, S] as returned by
+            `masked_linear_forward`; used instead of gathering them again (None or an
+            empty [0] tensor: gather here).
     Returns:
         (grad_x [*, I_x] | None, grad_weight [|R|, |S|] compact | None, grad_bias [|R|] | None).
     """
     gx, gw, gb = _ops.masked_linear_backward.default(
-        grad_out, x, weight, out_idx, in_idx, compact_weight, grad_out_full, dense_grad_input, list(output_mask)
+        grad_out, x, weight, out_idx, in_idx, compact_weight, grad_out_full, dense_grad_input, list(output_mask),
+        x_kept, weight_block,
     )
     return tuple(t if keep else None for t, keep in zip((gx, gw, gb), output_mask))
 
@@ -189,9 +203,20 @@ def _masked_linear_fake(x, weight, bias, out_idx, in_idx, compact_weight, scatte
     return x.new_empty((*x.shape[:-1], width))
 
 
+@torch.library.register_fake("subnet_ext::masked_linear_forward")
+def _masked_linear_forward_fake(x, weight, bias, out_idx, in_idx, compact_weight, scatter_width):
+    y = _masked_linear_fake(x, weight, bias, out_idx, in_idx, compact_weight, scatter_width)
+    x_kept = x.new_empty((math.prod(x.shape[:-1]), in_idx.shape[0])) if in_idx is not None else x.new_empty(0)
+    gathered = not compact_weight and (out_idx is not None or in_idx is not None)
+    block = (x.new_empty((_kept(out_idx, weight.shape[0]), _kept(in_idx, weight.shape[1]))) if gathered
+             else x.new_empty(0))
+    return y, x_kept, block
+
+
 @torch.library.register_fake("subnet_ext::masked_linear_backward")
 def _masked_linear_backward_fake(
-    grad_out, x, weight, out_idx, in_idx, compact_weight, grad_out_full, dense_grad_input, output_mask
+    grad_out, x, weight, out_idx, in_idx, compact_weight, grad_out_full, dense_grad_input, output_mask,
+    x_kept=None, weight_block=None,
 ):
     kept_out = weight.shape[0] if compact_weight else _kept(out_idx, weight.shape[0])
     kept_in = weight.shape[1] if compact_weight else _kept(in_idx, weight.shape[1])
@@ -217,24 +242,28 @@ def _unpack_average_fake(tensors, segments, buffer, scales):
     return None
 
 
-# ---- autograd of masked_linear: its backward is the masked_linear_backward op ----
+# ---- autograd: the backward of masked_linear(_forward) is the masked_linear_backward op ----
 
 
 def _setup_context(ctx, inputs, output):
     x, weight, bias, out_idx, in_idx, compact_weight, scatter_width = inputs
-    ctx.save_for_backward(x, weight, out_idx, in_idx)
+    if isinstance(output, tuple):  # masked_linear_forward: reuse what it gathered
+        _, x_kept, block = output
+        ctx.mark_non_differentiable(x_kept, block)
+    else:
+        x_kept = block = None
+    ctx.save_for_backward(x, weight, out_idx, in_idx, x_kept, block)
     ctx.has_bias = bias is not None
     ctx.compact_weight = compact_weight
     ctx.scatter = scatter_width >= 0
-    ctx.weight_shape = weight.shape
 
 
-def _backward(ctx, grad_out):
-    x, weight, out_idx, in_idx = ctx.saved_tensors
+def _backward(ctx, grad_out, *_unused_grads):
+    x, weight, out_idx, in_idx, x_kept, block = ctx.saved_tensors
     need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
     gx, gw, gb = _ops.masked_linear_backward.default(
         grad_out.contiguous(), x, weight, out_idx, in_idx, ctx.compact_weight,
-        ctx.scatter and out_idx is not None, False, [need_x, need_w, need_b],
+        ctx.scatter and out_idx is not None, False, [need_x, need_w, need_b], x_kept, block,
     )
     if not ctx.compact_weight and (out_idx is not None or in_idx is not None):
         # A full weight's gradient has the weight's shape: the owned block, zeros elsewhere.
@@ -253,3 +282,4 @@ def _backward(ctx, grad_out):
 
 
 torch.library.register_autograd("subnet_ext::masked_linear", _backward, setup_context=_setup_context)
+torch.library.register_autograd("subnet_ext::masked_linear_forward", _backward, setup_context=_setup_context)

@@ -47,6 +47,16 @@ def masked_linear(
     return full
 
 
+def masked_linear_forward(x, weight, bias=None, out_idx=None, in_idx=None, *, compact_weight=False,
+                          scatter_width=None):
+    """Reference of the `masked_linear_forward` op: (y, x_kept [N, |S|] | [0], W_RS | [0])."""
+    y = masked_linear(x, weight, bias, out_idx, in_idx, compact_weight=compact_weight, scatter_width=scatter_width)
+    x_kept = x.reshape(-1, x.shape[-1])[:, in_idx] if in_idx is not None else x.new_empty(0)
+    gathered = not compact_weight and (out_idx is not None or in_idx is not None)
+    block = _block(weight, out_idx, in_idx, False) if gathered else x.new_empty(0)
+    return y, x_kept, block
+
+
 def masked_linear_backward(
     grad_out: torch.Tensor,
     x: torch.Tensor,

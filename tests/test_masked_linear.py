@@ -107,6 +107,39 @@ def test_autograd_matches_reference_autograd(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("compact", [False, True])
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_forward_saves_gathered_operands_for_backward(device, compact, fraction):
+    """masked_linear_forward returns exactly what backward would gather, and backward fed
+    with them equals backward that gathers itself."""
+    x, w, b, oi, ii = operands(device, torch.float32, fraction, compact, batch=(2, 3))
+    for out_idx, in_idx in ((oi, ii), (oi, None), (None, ii), (None, None)):
+        if compact and (out_idx is None or in_idx is None):
+            continue
+        y, x_kept, block = torch.ops.subnet_ext.masked_linear_forward(x, w, b, out_idx, in_idx, compact, -1)
+        ey, ex, eb = ref.masked_linear_forward(x, w, b, out_idx, in_idx, compact_weight=compact)
+        torch.testing.assert_close(y, ey)
+        assert torch.equal(x_kept, ex) and torch.equal(block, eb)
+        g = torch.randn_like(y)
+        saved = sx.masked_linear_backward(g, x, w, out_idx, in_idx, compact_weight=compact, x_kept=x_kept,
+                                          weight_block=block)
+        fresh = sx.masked_linear_backward(g, x, w, out_idx, in_idx, compact_weight=compact)
+        for a, r in zip(saved, fresh):
+            assert torch.equal(a, r)
+
+
+def test_saved_operands_with_wrong_shape_are_refused():
+    x, w, b, oi, ii = operands("cpu", torch.float32, 0.5, compact=False)
+    g = torch.randn(7, len(oi))
+    with pytest.raises(ValueError, match=r"x_kept must have shape \[7, 10\]"):
+        sx.masked_linear_backward(g, x, w, oi, ii, x_kept=torch.zeros(7, 3))
+    with pytest.raises(ValueError, match=r"weight_block must have shape \[12, 10\]"):
+        sx.masked_linear_backward(g, x, w, oi, ii, weight_block=torch.zeros(12, 11))
+    with pytest.raises(ValueError, match="weight_block is Double"):
+        sx.masked_linear_backward(g, x, w, oi, ii, weight_block=torch.zeros(12, 10, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("compact", [False, True])
 @pytest.mark.parametrize("scatter", [False, True])
 def test_gradcheck_float64(device, compact, scatter):
     x, w, b, oi, ii = operands(device, torch.float64, 0.5, compact, batch=(3,))
@@ -163,10 +196,19 @@ def test_opcheck(device):
     for args in cases:
         grad = [a.requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
         torch.library.opcheck(torch.ops.subnet_ext.masked_linear.default, tuple(grad))
+    for args in cases:
+        grad = [a.detach().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                for a in args]
+        torch.library.opcheck(torch.ops.subnet_ext.masked_linear_forward.default, tuple(grad))
     g = torch.randn(4, OUT, device=device)
     torch.library.opcheck(
         torch.ops.subnet_ext.masked_linear_backward.default,
         (g, x.detach(), w.detach(), oi, ii, False, True, False, [True, True, True]),
+    )
+    _, x_kept, block = torch.ops.subnet_ext.masked_linear_forward(x.detach(), w.detach(), None, oi, ii, False, -1)
+    torch.library.opcheck(
+        torch.ops.subnet_ext.masked_linear_backward.default,
+        (g, x.detach(), w.detach(), oi, ii, False, True, False, [True, True, True], x_kept, block),
     )
     torch.library.opcheck(
         torch.ops.subnet_ext.masked_linear_backward.default,

@@ -4,6 +4,8 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <algorithm>
+
 #include "kernels/gather.h"
 #include "ops.h"
 
@@ -35,7 +37,11 @@ void scatter_columns_cpu(const at::Tensor& src, const at::Tensor& cols, const at
     const scalar_t* s = src.const_data_ptr<scalar_t>();
     scalar_t* d = dst.mutable_data_ptr<scalar_t>();
     at::parallel_for(0, n_rows, row_grain(dst_cols), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) scatter_row(s + r * n_cols, col_idx, n_cols, d + r * dst_cols);
+      for (int64_t r = begin; r < end; ++r) {
+        scalar_t* row = d + r * dst_cols;
+        std::fill(row, row + dst_cols, scalar_t(0));
+        scatter_row(s + r * n_cols, col_idx, n_cols, row);
+      }
     });
   });
 }
@@ -49,12 +55,18 @@ at::Tensor masked_linear_cpu(const at::Tensor& x, const at::Tensor& weight, cons
                             scatter_width, kCpuKernels);
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_linear_forward_cpu(
+    const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias, const OptTensor& out_idx,
+    const OptTensor& in_idx, bool compact_weight, int64_t scatter_width) {
+  return masked_linear_forward_impl(x, weight, bias, out_idx, in_idx, compact_weight, scatter_width, kCpuKernels);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_linear_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight, const OptTensor& out_idx,
     const OptTensor& in_idx, bool compact_weight, bool grad_out_full, bool dense_grad_input,
-    std::array<bool, 3> output_mask) {
+    std::array<bool, 3> output_mask, const OptTensor& x_kept, const OptTensor& weight_block) {
   return masked_linear_backward_impl(grad_out, x, weight, out_idx, in_idx, compact_weight, grad_out_full,
-                                     dense_grad_input, output_mask, kCpuKernels);
+                                     dense_grad_input, output_mask, x_kept, weight_block, kCpuKernels);
 }
 
 void masked_linear_grad_weight_cpu(const at::Tensor& out, const at::Tensor& grad_out, const at::Tensor& x,
@@ -67,6 +79,7 @@ void masked_linear_grad_weight_cpu(const at::Tensor& out, const at::Tensor& grad
 
 TORCH_LIBRARY_IMPL(subnet_ext, CPU, m) {
   m.impl("masked_linear", &masked_linear_cpu);
+  m.impl("masked_linear_forward", &masked_linear_forward_cpu);
   m.impl("masked_linear_backward", &masked_linear_backward_cpu);
   m.impl("masked_linear_grad_weight_", &masked_linear_grad_weight_cpu);
 }

@@ -129,13 +129,17 @@ void gather_cuda(const at::Tensor& src, const at::Tensor& rows, const at::Tensor
 }
 
 // IndexKernels::scatter_columns. src [R, C] and dst [R, W] contiguous; cols [C] int64.
+// dst is zeroed first (one memset on the stream), then the kept columns are written.
 void scatter_columns_cuda(const at::Tensor& src, const at::Tensor& cols, const at::Tensor& dst) {
   TORCH_INTERNAL_ASSERT(src.dim() == 2 && dst.dim() == 2 && src.is_contiguous() && dst.is_contiguous() &&
                         src.size(0) == dst.size(0));
   const int64_t n_rows = src.size(0), n_cols = src.size(1), dst_cols = dst.size(1);
-  if (n_rows == 0 || n_cols == 0) return;
   c10::cuda::CUDAGuard guard(dst.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (dst.numel() > 0) {
+    C10_CUDA_CHECK(cudaMemsetAsync(dst.mutable_data_ptr(), 0, dst.numel() * dst.element_size(), stream));
+  }
+  if (n_rows == 0 || n_cols == 0) return;
   const at::Tensor col_idx = cols.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "subnet_ext.scatter_cuda", [&] {
     using unit_t = storage_t<scalar_t>;
@@ -156,12 +160,18 @@ at::Tensor masked_linear_cuda(const at::Tensor& x, const at::Tensor& weight, con
                             scatter_width, kCudaKernels);
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_linear_forward_cuda(
+    const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias, const OptTensor& out_idx,
+    const OptTensor& in_idx, bool compact_weight, int64_t scatter_width) {
+  return masked_linear_forward_impl(x, weight, bias, out_idx, in_idx, compact_weight, scatter_width, kCudaKernels);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_linear_backward_cuda(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight, const OptTensor& out_idx,
     const OptTensor& in_idx, bool compact_weight, bool grad_out_full, bool dense_grad_input,
-    std::array<bool, 3> output_mask) {
+    std::array<bool, 3> output_mask, const OptTensor& x_kept, const OptTensor& weight_block) {
   return masked_linear_backward_impl(grad_out, x, weight, out_idx, in_idx, compact_weight, grad_out_full,
-                                     dense_grad_input, output_mask, kCudaKernels);
+                                     dense_grad_input, output_mask, x_kept, weight_block, kCudaKernels);
 }
 
 void masked_linear_grad_weight_cuda(const at::Tensor& out, const at::Tensor& grad_out, const at::Tensor& x,
@@ -174,6 +184,7 @@ void masked_linear_grad_weight_cuda(const at::Tensor& out, const at::Tensor& gra
 
 TORCH_LIBRARY_IMPL(subnet_ext, CUDA, m) {
   m.impl("masked_linear", &masked_linear_cuda);
+  m.impl("masked_linear_forward", &masked_linear_forward_cuda);
   m.impl("masked_linear_backward", &masked_linear_backward_cuda);
   m.impl("masked_linear_grad_weight_", &masked_linear_grad_weight_cuda);
 }

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the CPU microbenchmarks and writes bench/results/cpu.md (command, machine, tables).
+# Runs the CPU microbenchmarks (the GPU ones run from bench/gpu_check.sh) and writes bench/results/cpu.md (command, machine, tables).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -11,7 +11,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(nproc)}
   echo
   echo "Command: \`make bench\` (bash bench/build.sh && bash bench/run_cpu.sh), $(date -u +%Y-%m-%dT%H:%MZ)."
   echo "Machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), OMP_NUM_THREADS=$OMP_NUM_THREADS," \
-       "torch $($PY -c 'import torch; print(torch.__version__)'). Medians of 11 runs after 3 warm-ups."
+       "torch $($PY -c 'import torch; print(torch.__version__)')."
   echo
   echo "## Masked linear, forward + backward (fp32)"
   echo

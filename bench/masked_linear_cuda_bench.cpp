@@ -1,0 +1,118 @@
+// GPU microbenchmark of the masked linear (bf16): forward + backward of our ops against
+// dense cuBLAS (the ideal: dense time x f^2) and against index_select + cuBLAS.
+//
+// Shape: x [8192, 8192], W [8192, 8192] stored full, kept fraction f of inputs and outputs.
+// "ours" is what autograd runs: masked_linear_forward (returns the gathered x[:, S] and
+// W[R][:, S]) then masked_linear_backward fed with them.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <cstdio>
+#include <string>
+#include <tuple>
+
+#include "bench_cuda_util.h"
+#include "bench_util.h"
+
+using at::Tensor;
+using OptT = std::optional<Tensor>;
+using Triple = std::tuple<Tensor, Tensor, Tensor>;
+
+static const auto& forward_op() {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("subnet_ext::masked_linear_forward", "")
+                       .typed<Triple(const Tensor&, const Tensor&, const OptT&, const OptT&, const OptT&, bool,
+                                     int64_t)>();
+  return op;
+}
+
+static const auto& backward_op() {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("subnet_ext::masked_linear_backward", "")
+                       .typed<Triple(const Tensor&, const Tensor&, const Tensor&, const OptT&, const OptT&, bool,
+                                     bool, bool, std::array<bool, 3>, const OptT&, const OptT&)>();
+  return op;
+}
+
+static Tensor kept(int64_t n, double f, const at::TensorOptions& idx) {
+  int64_t k = std::max<int64_t>(1, static_cast<int64_t>(n * f + 0.5));
+  return std::get<0>(at::randperm(n, at::kLong).narrow(0, 0, k).sort()).to(idx);
+}
+
+static double rel_err(const Tensor& a, const Tensor& r) {
+  return ((a.to(at::kFloat) - r.to(at::kFloat)).abs().max() / r.to(at::kFloat).abs().max().clamp_min(1e-30))
+      .item<double>();
+}
+
+int main() {
+  if (!at::hasCUDA()) {
+    std::fprintf(stderr, "masked_linear_cuda_bench: no CUDA device visible\n");
+    return 2;
+  }
+  at::manual_seed(0);
+  const int64_t B = 8192, I = 8192, O = 8192;
+  const auto opt = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+  const auto idx_opt = at::TensorOptions().device(at::kCUDA).dtype(at::kLong);
+  Tensor x = at::randn({B, I}, opt), w = at::randn({O, I}, opt) * 0.02, b = at::randn({O}, opt);
+  Tensor gy_full = at::randn({B, O}, opt);
+  Tensor y, gx, gw, gb;
+  auto dense_fn = [&] {
+    y = at::addmm(b, x, w.t());
+    gx = gy_full.mm(w);
+    gw = gy_full.t().mm(x);
+    gb = gy_full.sum(0);
+  };
+  const double dense_flops = 3.0 * 2.0 * B * I * O;
+  std::printf("| shape | dtype | f | ours ms | composed ms | ideal ms | TFLOP/s | %% of dense GEMM rate "
+              "| speedup vs composed | %% of ideal | max rel err vs composed |\n");
+  std::printf("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+  std::vector<std::string> verdicts;
+  bool all_ok = true;
+  for (double f : {0.25, 0.5}) {
+    Tensor out_idx = kept(O, f, idx_opt), in_idx = kept(I, f, idx_opt);
+    Tensor gy = at::randn({B, out_idx.size(0)}, opt);
+    Tensor y1, xk, wk, gx1, gw1, gb1, y2, gx2, gw2, gb2;
+    auto ours_fn = [&] {
+      std::tie(y1, xk, wk) = forward_op().call(x, w, b, out_idx, in_idx, false, -1);
+      std::tie(gx1, gw1, gb1) =
+          backward_op().call(gy, x, w, out_idx, in_idx, false, false, false, {true, true, true}, xk, wk);
+    };
+    auto composed_fn = [&] {
+      Tensor xs = x.index_select(1, in_idx);
+      Tensor ws = w.index_select(0, out_idx).index_select(1, in_idx);
+      y2 = at::addmm(b.index_select(0, out_idx), xs, ws.t());
+      gx2 = at::zeros({B, I}, x.options()).index_copy_(1, in_idx, gy.mm(ws));
+      gw2 = gy.t().mm(xs);
+      gb2 = gy.sum(0);
+    };
+    const auto t = bench::interleaved_cuda_medians_ms({dense_fn, ours_fn, composed_fn});
+    const double dense = t[0], ours = t[1], composed = t[2], ideal = dense * f * f;
+    ours_fn();
+    composed_fn();
+    double err = 0;
+    for (auto [a, r] : {std::pair{y1, y2}, std::pair{gx1, gx2}, std::pair{gw1, gw2}, std::pair{gb1, gb2}}) {
+      err = std::max(err, rel_err(a, r));
+    }
+    const double flops = 3.0 * 2.0 * B * out_idx.size(0) * in_idx.size(0);
+    if (f == 0.25) {
+      std::printf("| %ldx%ld->%ld dense | bf16 | 1.00 | %.3f | - | - | %.1f | 100.0%% | - | - | - |\n", B, I, O, dense,
+                  dense_flops / dense / 1e9);
+    }
+    std::printf("| %ldx%ld->%ld | bf16 | %.2f | %.3f | %.3f | %.3f | %.1f | %.1f%% | %.2fx | %.1f%% | %.1e |\n", B, I,
+                O, f, ours, composed, ideal, flops / ours / 1e9, 100.0 * (flops / ours) / (dense_flops / dense),
+                composed / ours, 100.0 * ideal / ours, err);
+    if (f == 0.5) {
+      const bool near = ideal / ours >= 0.8, fast = ours <= composed;
+      all_ok = near && fast;
+      char line[240];
+      std::snprintf(line, sizeof line, "- f=0.50: >= 80%% of ideal: %s (%.1f%%); at least as fast as index_select + "
+                    "cuBLAS: %s (%.2fx)", bench::verdict(near), 100.0 * ideal / ours, bench::verdict(fast),
+                    composed / ours);
+      verdicts.emplace_back(line);
+    }
+  }
+  std::printf("\nTargets (GPU bf16):\n");
+  for (auto& v : verdicts) std::printf("%s\n", v.c_str());
+  std::printf("\n(Medians of 21 interleaved rounds of CUDA-event times after 3 warm-ups.)\n");
+  return all_ok ? 0 : 1;
+}

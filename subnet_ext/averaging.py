@@ -1,181 +1,195 @@
-"""Averaging among owners: packed buffers, one collective per owner set, one global order.
+"""Averaging among owners: bucketed packed collectives, overlapped with the backward.
 
-`OwnerGroups` makes one process group per distinct owner set (|S| > 1) once, every rank
-calling `new_group` for the same sets in the same sorted order. `PackedAverager` then
-averages a set of tensors piece by piece: for each owner set in that order, the ranks
-of the set pack their pieces (same pieces, same order on each of them), all-reduce the
-buffer and unpack it in place times 1/|S|. The zero-filled strategy instead packs every
-piece at its global offset of one world-sized buffer (zeros where this rank holds
-nothing) and unpacks each piece times 1/owner-count.
+The buckets (buckets.py) fix which pieces share a buffer and the one global order in
+which buckets are issued. During the backward the engine reports each parameter whose
+gradient is ready (`grad_ready`, from a post-accumulate-grad hook); a bucket whose pieces
+are all ready is packed and its all-reduce issued asynchronously, as soon as every
+earlier bucket of this rank has been issued (torch DDP's reducer does the same), so the
+communication runs while the rest of the backward computes. `finish()`, queued at the end
+of the backward, issues what is left, waits in order and unpacks each bucket in place
+times 1/owner-count. With overlap off every bucket is issued by `finish()`: the same
+buffers and the same sums, only later, so both paths give bit-identical results.
 
-Every collective this rank issues is counted in `CommCounter`.
+Each bucket has one persistent buffer (like DDP's), reused for gradients and, with
+sync_every > 1, for parameters.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from . import ops
-from .pieces import Piece, rectangle
+from .buckets import Bucket
+from .communicator import Communicator
+from .pieces import Piece
+
+Resolver = Callable[[Piece], tuple]  # piece -> (local tensor, rectangle) on this rank
 
 
-@dataclass
-class CommCounter:
-    """Bytes handed to collectives and their number, over `steps` synchronised steps."""
+class _BucketState:
+    """One bucket on this rank: the pieces it holds there, their tables and the buffer."""
 
-    bytes: int = 0
-    collectives: int = 0
-    steps: int = 0
-    by_kind: dict = field(default_factory=dict)
+    def __init__(self, bucket: Bucket, rank: int, simulated: bool):
+        self.bucket = bucket
+        self.held = [(p, off) for p, off in zip(bucket.pieces, bucket.offsets) if rank in p.owners]
+        # Zero-filled buckets carry pieces this rank does not hold: zeros stand for them.
+        self.zero_fill = len(self.held) < len(bucket.pieces)
+        self.simulated = simulated
+        self.param_pieces = sum(1 for p, _ in self.held if p.is_param)
+        self.buffer = None
+        self.tables = {}  # kind -> (representative piece of each tensor slot, segment table, scales)
+        self.pending = 0
+        self.direct = {}  # piece -> (buffer offset, numel): its gradient is written into the buffer itself
 
-    def add(self, kind: str, buffer: torch.Tensor) -> None:
-        n = buffer.numel() * buffer.element_size()
-        self.bytes += n
-        self.collectives += 1
-        b, c = self.by_kind.get(kind, (0, 0))
-        self.by_kind[kind] = (b + n, c + 1)
+    def table(self, kind: str, resolve: Resolver):
+        """Which local tensors the held pieces live in, where, and the unpack scale of each
+        (1/owner-count; 1 when simulated: "as if every owner held this rank's values").
+        Static per kind, so built once."""
+        if kind not in self.tables:
+            slots, index, rows, scales = [], {}, [], []
+            for p, off in self.held:
+                if kind == "gradients" and p in self.direct:
+                    continue  # already in the buffer: neither packed nor copied back
+                tensor, (r0, r1, c0, c1) = resolve(p)
+                if id(tensor) not in index:
+                    index[id(tensor)] = len(slots)
+                    slots.append(p)
+                rows.append((index[id(tensor)], r0, r1, c0, c1, off))
+                scales.append(1.0 if self.simulated else 1.0 / len(p.owners))
+            table = torch.tensor(rows, dtype=torch.int64) if rows else torch.empty(0, 6, dtype=torch.int64)
+            self.tables[kind] = (slots, table, torch.tensor(scales, dtype=torch.float32))
+        return self.tables[kind]
 
+    def tensors(self, kind: str, resolve: Resolver):
+        """(local tensors of this step, segment table, scales) of the held pieces."""
+        slots, table, scales = self.table(kind, resolve)
+        return [resolve(p)[0] for p in slots], table, scales
 
-class OwnerGroups:
-    """Process groups of the owner sets, in terms of ranks of `process_group`."""
-
-    def __init__(self, owner_sets, world_size: int, process_group=None):
-        self.world_size = world_size
-        self.process_group = process_group
-        self.groups = {}
-        if world_size == 1 or not dist.is_initialized():
-            return
-        world_pg = process_group if process_group is not None else dist.group.WORLD
-        default = process_group is None or process_group == dist.group.WORLD
-        for s in sorted(set(owner_sets)):
-            if len(s) < 2:
-                continue
-            if len(s) == world_size:
-                self.groups[s] = world_pg
-                continue
-            ranks = list(s) if default else [dist.get_global_rank(world_pg, r) for r in s]
-            # Every rank of the default group calls new_group for every set, in one order;
-            # inside a user group only its members can take part, so they sync locally.
-            self.groups[s] = dist.new_group(ranks, use_local_synchronization=not default)
-
-    def get(self, owner_set):
-        return self.groups[owner_set]
-
-    @property
-    def world(self):
-        return self.process_group
+    def ensure_buffer(self, device) -> torch.Tensor:
+        if self.buffer is None:
+            self.buffer = torch.empty(self.bucket.numel, dtype=getattr(torch, self.bucket.dtype), device=device)
+        return self.buffer
 
 
-Resolver = Callable[[Piece], tuple]  # piece -> (tensor, rectangle) on this rank
+class BucketedAverager:
+    """Averages this rank's pieces among their owners, bucket by bucket.
 
-
-class PackedAverager:
-    """Averages pieces among their owners with packed collectives.
-
-    pieces: the global piece list (pieces.global_pieces); only pieces with more than one
-    owner take part. rank: this rank in the plan's numbering.
+    Args:
+        buckets: buckets.build_buckets(...) for the plan (the same list on every rank).
+        rank: this rank in the plan's numbering.
+        communicator: issues (or simulates) the collectives and counts them.
+        device: where the buffers live.
+        resolvers: {"gradients": Resolver, "parameters": Resolver}.
+        overlap: issue a bucket during the backward as soon as it is ready.
     """
 
-    def __init__(self, pieces: list[Piece], rank: int, world_size: int, groups: OwnerGroups, strategy: str,
-                 counter: CommCounter, plan, device: torch.device):
-        self.rank, self.world_size, self.groups, self.strategy = rank, world_size, groups, strategy
-        self.counter, self.plan, self.device = counter, plan, device
-        self.pieces = [p for p in pieces if len(p.owners) > 1]
-        self.by_set = {}
-        for p in self.pieces:
-            if rank in p.owners:
-                self.by_set.setdefault(p.owners, []).append(p)
-        self.order = sorted(self.by_set)
+    def __init__(self, buckets: list[Bucket], rank: int, communicator: Communicator, device: torch.device,
+                 resolvers: dict, overlap: bool = True):
+        self.comm, self.device, self.resolvers, self.overlap = communicator, device, resolvers, overlap
+        self.states = [_BucketState(b, rank, communicator.simulated) for b in buckets if rank in b.owners]
+        self.buckets_of_piece = {}
+        for i, s in enumerate(self.states):
+            for p, _ in s.held:
+                self.buckets_of_piece.setdefault(p, []).append(i)
+        self._issued = []
+        self._next = 0
+        self.issued_during_backward = 0  # buckets issued before the backward ended (overlap)
 
-    def average(self, resolve: Resolver, kind: str, pieces_filter=None) -> None:
-        """In place: each held piece's tensor slice becomes the mean over its owners."""
-        if self.world_size == 1 or not dist.is_initialized():
-            return
-        if self.strategy == "zero_filled":
-            return self._average_zero_filled(resolve, kind, pieces_filter)
-        pending = []
-        for s in self.order:
-            items = [(p, *resolve(p)) for p in self.by_set[s] if pieces_filter is None or pieces_filter(p)]
-            for dtype_items in _by_dtype(items):
-                tensors, table, total = _table(dtype_items, offsets=None)
-                buffer = torch.empty(total, dtype=tensors[0].dtype, device=tensors[0].device)
-                ops.pack_segments(tensors, table, buffer)
-                self.counter.add(kind, buffer)
-                work = dist.all_reduce(buffer, group=self.groups.get(s), async_op=True)
-                scales = torch.full((table.shape[0],), 1.0 / len(s), dtype=torch.float32)
-                pending.append((work, tensors, table, buffer, scales))
-        for work, tensors, table, buffer, scales in pending:
-            work.wait()
-            ops.unpack_average_(tensors, table, buffer, scales)
+    @property
+    def buffer_bytes(self) -> int:
+        return sum(s.buffer.numel() * s.buffer.element_size() for s in self.states if s.buffer is not None)
 
-    def _average_zero_filled(self, resolve, kind, pieces_filter):
-        chosen = [p for p in self.pieces if pieces_filter is None or pieces_filter(p)]
-        layout = {}  # dtype -> (pieces in global order, global offsets, total)
-        for p in chosen:
-            dt = getattr(torch, self.plan.tensor_dtypes[p.name])
-            pl, offs, total = layout.get(dt, ([], [], 0))
-            pl.append(p)
-            offs.append(total)
-            r0, r1, c0, c1 = rectangle(self.plan.tensor_shapes[p.name], p.dim, p.start, p.length)
-            layout[dt] = (pl, offs, total + (r1 - r0) * (c1 - c0))
-        for dt, (pl, offs, total) in layout.items():
-            mine = [(p, *resolve(p)) for p in pl if self.rank in p.owners]
-            my_offsets = [o for p, o in zip(pl, offs) if self.rank in p.owners]
-            tensors, table, _ = _table(mine, offsets=my_offsets)
-            device = tensors[0].device if tensors else self.device
-            buffer = torch.zeros(total, dtype=dt, device=device)
+    def direct_gradient_view(self, piece: Piece, numel: int) -> torch.Tensor | None:
+        """A 1-D view of `piece`'s place in its bucket buffer, for a kernel to write the
+        gradient into directly (the piece is then neither packed nor unpacked; its view is
+        averaged in place). None if the piece is not communicated here."""
+        buckets = self.buckets_of_piece.get(piece, ())
+        if len(buckets) != 1:
+            return None
+        s = self.states[buckets[0]]
+        if s.zero_fill:
+            return None  # the buffer is zeroed before packing
+        offset = dict(s.held)[piece]
+        s.direct[piece] = (offset, numel)
+        s.tables.pop("gradients", None)
+        return s.ensure_buffer(self.device).narrow(0, offset, numel)
+
+    def start_backward(self) -> None:
+        """Called when the first gradient of a backward is ready."""
+        for s in self.states:
+            s.pending = s.param_pieces
+        self._issued, self._next = [], 0
+
+    def grad_ready(self, pieces) -> None:
+        """The gradient of these pieces' parameter is final for this backward."""
+        for p in pieces:
+            for i in self.buckets_of_piece.get(p, ()):
+                self.states[i].pending -= 1
+                if self.states[i].pending < 0:  # a bucket issued before all its gradients were final
+                    raise RuntimeError(f"subnet_ext: the gradient of {p.name} was reported ready twice in one "
+                                       "backward; this is a bug in the engine's hooks")
+        if self.overlap:
+            while self._next < len(self.states) and self.states[self._next].pending <= 0:
+                self._issue(self.states[self._next], "gradients")
+                self._next += 1
+                self.issued_during_backward += 1
+
+    def finish(self, kind: str = "gradients") -> None:
+        """Issue every bucket not issued yet (in order), wait, unpack times 1/owner-count."""
+        while self._next < len(self.states):
+            self._issue(self.states[self._next], kind)
+            self._next += 1
+        for s, kind_issued, pending in self._issued:
+            pending.wait()
+            tensors, table, scales = s.tensors(kind_issued, self.resolvers[kind_issued])
             if tensors:
-                ops.pack_segments(tensors, table, buffer)
-            self.counter.add(kind, buffer)
-            dist.all_reduce(buffer, group=self.groups.world)
-            if tensors:
-                scales = torch.tensor([1.0 / len(p.owners) for p, _, _ in mine], dtype=torch.float32)
-                ops.unpack_average_(tensors, table, buffer, scales)
+                ops.unpack_average_(tensors, table, s.buffer, scales)
+            if kind_issued == "gradients" and not self.comm.simulated:
+                for p, (offset, numel) in s.direct.items():
+                    s.buffer.narrow(0, offset, numel).mul_(1.0 / len(p.owners))
+        self._issued, self._next = [], 0
+
+    def average_now(self, kind: str) -> None:
+        """Average every held piece of `kind` ("parameters" or "gradients") right away."""
+        self._issued, self._next = [], 0
+        self.finish(kind)
+
+    def _issue(self, s: _BucketState, kind: str) -> None:
+        buffer = s.ensure_buffer(self.device)
+        if s.zero_fill:
+            buffer.zero_()
+        tensors, table, _ = s.tensors(kind, self.resolvers[kind])
+        if tensors:
+            ops.pack_segments(tensors, table, buffer)
+        self._issued.append((s, kind, self.comm.all_reduce(buffer, s.bucket.owners, kind)))
 
 
-def _by_dtype(items):
-    groups = {}
-    for it in items:
-        groups.setdefault(it[1].dtype, []).append(it)
-    return list(groups.values())
-
-
-def _table(items, offsets):
-    """(tensors, int64 [S, 6] segment table, total elements) for (piece, tensor, rect) items."""
-    tensors, index, rects = [], {}, []
-    for p, t, (r0, r1, c0, c1) in items:
-        if id(t) not in index:
-            index[id(t)] = len(tensors)
-            tensors.append(t)
-        rects.append((index[id(t)], r0, r1, c0, c1))
-    if offsets is None:
-        table, total = ops.segment_table(rects)
-        return tensors, table, total
-    rows = [(*r, o) for r, o in zip(rects, offsets)]
-    table = torch.tensor(rows, dtype=torch.int64) if rows else torch.empty(0, 6, dtype=torch.int64)
-    return tensors, table, None
-
-
-def broadcast_pieces(pieces: list[Piece], rank: int, world_size: int, resolve: Resolver, counter: CommCounter,
-                     process_group, kind: str = "refresh") -> None:
-    """Backward regime refresh: each leader broadcasts the pieces it leads that some rank
-    lacks; the ranks that do not own a piece overwrite their copy (scale 1, exact)."""
-    if world_size == 1 or not dist.is_initialized():
+def refresh_copies(pieces: list[Piece], rank: int, world_size: int, resolve: Resolver, comm: Communicator,
+                   kind: str = "refresh") -> None:
+    """Backward regime: each leader (lowest owner) broadcasts the pieces it leads that some
+    rank lacks; the ranks that do not own a piece overwrite their copy (exact, scale 1).
+    Simulated: the leader's packing and the bytes are kept, the copies are left as they are."""
+    if world_size == 1:
         return
     for leader in range(world_size):
         led = [p for p in pieces if p.owners[0] == leader and len(p.owners) < world_size]
-        for dtype_items in _by_dtype([(p, *resolve(p)) for p in led]):
-            tensors, table, total = _table(dtype_items, offsets=None)
+        by_dtype = {}
+        for p in led:
+            tensor, rect = resolve(p)
+            by_dtype.setdefault(tensor.dtype, []).append((p, tensor, rect))
+        for items in by_dtype.values():
+            tensors, index, rects = [], {}, []
+            for p, t, rect in items:
+                if id(t) not in index:
+                    index[id(t)] = len(tensors)
+                    tensors.append(t)
+                rects.append((index[id(t)], *rect))
+            table, total = ops.segment_table(rects)
             buffer = torch.empty(total, dtype=tensors[0].dtype, device=tensors[0].device)
             if rank == leader:
                 ops.pack_segments(tensors, table, buffer)
-            counter.add(kind, buffer)
-            src = leader if process_group is None else dist.get_global_rank(process_group, leader)
-            dist.broadcast(buffer, src=src, group=process_group)
-            keep = [i for i, (p, _, _) in enumerate(dtype_items) if rank not in p.owners]
-            if keep:
-                sub = table[keep]
-                ops.unpack_average_(tensors, sub, buffer, torch.ones(len(keep), dtype=torch.float32))
+            comm.broadcast(buffer, leader, kind)
+            keep = [i for i, (p, _, _) in enumerate(items) if rank not in p.owners]
+            if keep and not comm.simulated:
+                ops.unpack_average_(tensors, table[keep], buffer, torch.ones(len(keep), dtype=torch.float32))

@@ -3,9 +3,9 @@
 Bytes *handed to collectives* by one rank in one synchronisation:
 - per-group strategy: for every owner set S with this rank and |S| > 1, the bytes of
   the units owned by S (plus the shared tensors in the world set); one collective per
-  (owner set, dtype).
-- zero-filled strategy: one all-reduce over the world of every unit and shared tensor
-  with more than one owner, zeros where a rank holds nothing.
+  bucket (owner set, dtype, cut at the bucket cap; see buckets.py).
+- zero-filled strategy: all-reduces over the world of every unit and shared tensor
+  with more than one owner, zeros where a rank holds nothing (one per bucket).
 Ring all-reduce moves 2(|S|-1)/|S| of a buffer per rank: that is `ring_bytes`, what
 the strategy choice minimises (plus a per-collective latency expressed in bytes).
 The backward regime adds the refresh: one broadcast per leader rank (the lowest owner)
@@ -17,6 +17,8 @@ from collections import defaultdict
 
 import torch
 
+from .buckets import DEFAULT_BUCKET_CAP_MB, build_buckets
+from .pieces import global_pieces
 from .plan import SubnetPlan
 
 STRATEGIES = ("auto", "groups", "zero_filled")
@@ -36,41 +38,25 @@ def _unit_dtypes(plan: SubnetPlan) -> list[set]:
     return out
 
 
-def set_bytes(plan: SubnetPlan) -> tuple[dict, dict]:
-    """({owner set: bytes averaged per synchronisation}, {owner set: dtypes}), world set included."""
-    sizes, dtypes = defaultdict(float), defaultdict(set)
-    per_unit = plan.unit_bytes + plan.unit_buffer_bytes
-    for u, (s, dt) in enumerate(zip(_unit_owner_sets(plan), _unit_dtypes(plan))):
-        sizes[s] += float(per_unit[u])
-        dtypes[s] |= dt
-    world = tuple(range(plan.world_size))
-    shared = plan.shared_bytes + plan.shared_buffer_bytes
-    if shared:
-        sizes[world] += shared
-        dtypes[world] |= {plan.tensor_dtypes[n] for n in plan.shared if plan.is_float(n)}
-    return dict(sizes), dict(dtypes)
+def predicted_comm(plan: SubnetPlan, rank: int, strategy: str, regime: str = "forward",
+                   bucket_cap_bytes: float = DEFAULT_BUCKET_CAP_MB * 2**20, buckets=None) -> dict:
+    """Per synchronisation on `rank`: bytes handed to collectives, collectives, ring bytes.
 
-
-def predicted_comm(plan: SubnetPlan, rank: int, strategy: str, regime: str = "forward") -> dict:
-    """Per synchronisation on `rank`: bytes handed to collectives, collectives, ring bytes."""
+    One collective per bucket this rank takes part in (buckets.py: per owner set and
+    dtype, cut at `bucket_cap_bytes`); `buckets` may pass a precomputed layout.
+    """
     if strategy not in ("groups", "zero_filled"):
         raise ValueError(f"strategy must be 'groups' or 'zero_filled', got {strategy!r}")
-    sizes, dtypes = set_bytes(plan)
-    k = plan.world_size
+    if buckets is None:
+        buckets = build_buckets(plan, global_pieces(plan), strategy, bucket_cap_bytes)
     handed = ring = 0.0
     count = 0
-    if k > 1 and strategy == "groups":
-        for s, b in sizes.items():
-            if rank in s and len(s) > 1 and b:
-                handed += b
-                ring += 2 * (len(s) - 1) / len(s) * b
-                count += len(dtypes[s])
-    elif k > 1:
-        total = sum(b for s, b in sizes.items() if len(s) > 1)
-        if total:
-            handed, ring = total, 2 * (k - 1) / k * total
-            count = len(set().union(*(dtypes[s] for s in sizes if len(s) > 1)))
-    if regime == "backward" and k > 1:
+    for b in buckets:
+        if rank in b.owners:
+            handed += b.nbytes
+            ring += 2 * (len(b.owners) - 1) / len(b.owners) * b.nbytes
+            count += 1
+    if regime == "backward" and plan.world_size > 1:
         refresh, refresh_count = refresh_bytes(plan)
         handed += refresh
         ring += refresh
@@ -89,15 +75,18 @@ def refresh_bytes(plan: SubnetPlan) -> tuple[float, int]:
     return sum(per_leader.values()), sum(len(dtypes[q]) for q, b in per_leader.items() if b)
 
 
-def choose_strategy(plan: SubnetPlan, requested: str = "auto", latency_bytes: float = DEFAULT_LATENCY_BYTES):
+def choose_strategy(plan: SubnetPlan, requested: str = "auto", latency_bytes: float = DEFAULT_LATENCY_BYTES,
+                    bucket_cap_bytes: float = DEFAULT_BUCKET_CAP_MB * 2**20):
     """("groups" | "zero_filled", {strategy: modelled cost of the slowest rank, in bytes})."""
     if requested not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {requested!r}")
     costs = {}
+    pieces = global_pieces(plan)
     for s in ("groups", "zero_filled"):
         worst = 0.0
+        buckets = build_buckets(plan, pieces, s, bucket_cap_bytes)
         for r in range(plan.world_size):
-            c = predicted_comm(plan, r, s)
+            c = predicted_comm(plan, r, s, buckets=buckets)
             worst = max(worst, c["ring_bytes"] + latency_bytes * c["collectives"])
         costs[s] = worst
     if requested != "auto":

@@ -23,12 +23,14 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from .averaging import CommCounter, OwnerGroups, PackedAverager, broadcast_pieces
+from .averaging import BucketedAverager, refresh_copies
+from .buckets import DEFAULT_BUCKET_CAP_MB, build_buckets
+from .communicator import CommCounter, Communicator, SimulatedCommunicator
 from .costs import DEFAULT_LATENCY_BYTES, choose_strategy, predicted_comm
 from .pieces import global_pieces, local_starts, rectangle
 from .plan import SubnetPlan, model_fingerprint
 from .state import assemble, load_pieces
-from .subnetwork import materialise_forward, prepare_backward
+from .subnetwork import attach_direct_gradients, materialise_forward, prepare_backward
 
 REGIMES = ("forward", "backward")
 SCALES = ("none", "inverse")
@@ -60,13 +62,21 @@ class SubnetDataParallel(nn.Module):
         scale: "inverse" multiplies the input of each neuron group's consumer by h/h_k
             (forward regime, neuron level); "none" does nothing.
         process_group: the group the plan's ranks live in (default: the world).
-        strategy: "auto" (cost model), "groups" (one collective per owner set) or
-            "zero_filled" (one world all-reduce).
+        strategy: "auto" (cost model), "groups" (collectives per owner set) or
+            "zero_filled" (world all-reduces, zeros where a rank holds nothing).
+        bucket_cap_mb: a bucket (one packed collective) closes at this many MiB.
+        overlap: issue each bucket's all-reduce during the backward as soon as its
+            gradients are ready (False: all of them when the backward ends; same results).
+        simulate_rank: run only rank r of the plan's K ranks, alone, without
+            torch.distributed: collectives are no-ops that still count their bytes, so the
+            memory and time of one rank of a K-rank job can be measured on one device.
+        timeout: seconds a collective of the owner-set groups may wait for its peers.
     """
 
     def __init__(self, model: nn.Module, plan: SubnetPlan, regime: str = "forward", sync_every: int = 1,
                  scale: str = "none", process_group=None, strategy: str = "auto",
-                 latency_bytes: float = DEFAULT_LATENCY_BYTES):
+                 latency_bytes: float = DEFAULT_LATENCY_BYTES, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+                 overlap: bool = True, simulate_rank: int | None = None, timeout: float | None = None):
         super().__init__()
         if not isinstance(plan, SubnetPlan):
             raise ValueError(f"plan must be a SubnetPlan, got {type(plan).__name__}")
@@ -79,7 +89,18 @@ class SubnetDataParallel(nn.Module):
         if scale == "inverse" and (plan.level != "neuron" or regime != "forward"):
             raise ValueError(f"scale='inverse' applies to the neuron level in the forward regime; this plan is "
                              f"level={plan.level!r} and regime={regime!r}")
-        if dist.is_initialized():
+        if not (isinstance(bucket_cap_mb, (int, float)) and 0 < bucket_cap_mb < float("inf")):
+            raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
+        self.simulated = simulate_rank is not None
+        if self.simulated:
+            if process_group is not None:
+                raise ValueError("simulate_rank runs one rank alone; it takes no process_group")
+            if not isinstance(simulate_rank, int) or isinstance(simulate_rank, bool) or \
+                    not 0 <= simulate_rank < plan.world_size:
+                raise ValueError(f"simulate_rank must be a rank of the plan's world size {plan.world_size}, "
+                                 f"got {simulate_rank!r}")
+            self.world_size, self.rank = plan.world_size, simulate_rank
+        elif dist.is_initialized():
             self.world_size = dist.get_world_size(process_group)
             self.rank = dist.get_rank(process_group)
         else:
@@ -111,13 +132,27 @@ class SubnetDataParallel(nn.Module):
         self.local_start = local_starts(self.pieces, self.rank, compact=regime == "forward")
         self.integer_entries = self._integer_entries()
 
-        self.strategy, self.strategy_costs = choose_strategy(plan, strategy, latency_bytes)
+        self.bucket_cap_bytes = bucket_cap_mb * 2**20
+        self.strategy, self.strategy_costs = choose_strategy(plan, strategy, latency_bytes, self.bucket_cap_bytes)
         self.counter = CommCounter()
-        groups = OwnerGroups([p.owners for p in self.pieces], self.world_size, process_group)
-        self._averager = PackedAverager(self.pieces, self.rank, self.world_size, groups, self.strategy,
-                                        self.counter, plan, self.device)
+        self.buckets = build_buckets(plan, self.pieces, self.strategy, self.bucket_cap_bytes)
+        owner_sets = [b.owners for b in self.buckets] + [p.owners for p in self.pieces]
+        self._comm = SimulatedCommunicator(self.world_size, self.rank, self.counter) if self.simulated else \
+            Communicator(owner_sets, self.world_size, self.rank, process_group, self.counter, timeout)
+        self._averager = BucketedAverager(self.buckets, self.rank, self._comm, self.device,
+                                          {"gradients": self._resolve_grad, "parameters": self._resolve_value},
+                                          overlap=overlap)
         self._trainable = [p for p in model.parameters() if p.requires_grad]
         self._trainable_ids = {id(p) for p in self._trainable}
+        self._pieces_of_param = self._map_pieces_to_parameters()
+        # Backward regime: the masked kernel writes owned weight gradients into their buckets.
+        self.direct_gradient_runs = 0
+        if regime == "backward" and sync_every == 1:
+            self.direct_gradient_runs = attach_direct_gradients(
+                model, self._piece_params, self._averager.direct_gradient_view, lambda p: self._pieces_ready((p,)))
+            # Their readiness comes from the kernel's call, not from the (empty) accumulate hook.
+            for direct in {p for s in self._averager.states for p in s.direct}:
+                del self._pieces_of_param[id(self._piece_params[direct])]
         self._queued = False
         self.optimizer_steps = 0
         for p in self._trainable:
@@ -154,6 +189,19 @@ class SubnetDataParallel(nn.Module):
         except (AttributeError, KeyError):
             return False
 
+    def _map_pieces_to_parameters(self) -> dict:
+        """id(trainable parameter) -> the pieces held here whose gradient it carries."""
+        out = {}
+        for p in self.pieces:
+            if not p.is_param or self.rank not in p.owners:
+                continue
+            param = self._piece_params.get(p)
+            if param is None:
+                param = self.value_of(p.name)
+            if id(param) in self._trainable_ids:
+                out.setdefault(id(param), []).append(p)
+        return out
+
     def _resolve_value(self, piece):
         t = self.value_of(piece.name)
         return t, rectangle(t.shape, piece.dim, self.local_start[piece], piece.length)
@@ -178,7 +226,7 @@ class SubnetDataParallel(nn.Module):
     # ------------------------------------------------------------------ sync points
     def _sync_initial_state(self, model: nn.Module) -> None:
         """Every rank starts from rank 0's values (as torch DDP does)."""
-        if self.world_size == 1 or not dist.is_initialized():
+        if self.world_size == 1 or self.simulated or not dist.is_initialized():
             return
         src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
         tensors = [t for t in model.state_dict(keep_vars=True).values()]
@@ -193,15 +241,23 @@ class SubnetDataParallel(nn.Module):
                     t.copy_(part.view(t.shape))
 
     def _on_grad_ready(self, param) -> None:
+        self._pieces_ready(self._pieces_of_param.get(id(param), ()))
+
+    def _pieces_ready(self, pieces) -> None:
+        """The gradients of these held pieces are final for this backward."""
+        if self.sync_every != 1:
+            return  # local SGD: parameters are averaged after optimizer steps instead
         if not self._queued:
             self._queued = True
+            self._averager.start_backward()
             Variable._execution_engine.queue_callback(self._after_backward)
+        with torch.no_grad():
+            self._averager.grad_ready(pieces)
 
     def _after_backward(self) -> None:
         self._queued = False
-        if self.sync_every == 1:
-            with torch.no_grad():
-                self._averager.average(self._resolve_grad, "gradients")
+        with torch.no_grad():
+            self._averager.finish("gradients")
 
     def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
         if not any(id(p) in self._trainable_ids for g in optimizer.param_groups for p in g["params"]):
@@ -214,10 +270,9 @@ class SubnetDataParallel(nn.Module):
         self.counter.steps += 1
         with torch.no_grad():
             if self.sync_every > 1 and self.optimizer_steps % self.sync_every == 0:
-                self._averager.average(self._resolve_value, "parameters")
+                self._averager.average_now("parameters")
             if self.regime == "backward":
-                broadcast_pieces(self.pieces, self.rank, self.world_size, self._resolve_value, self.counter,
-                                 self.process_group)
+                refresh_copies(self.pieces, self.rank, self.world_size, self._resolve_value, self._comm)
 
     # ------------------------------------------------------------------ public API
     def forward(self, *args, **kwargs):
@@ -231,6 +286,7 @@ class SubnetDataParallel(nn.Module):
         """The whole model's state dict (original names and shapes), identical on every rank.
 
         Collective: every rank must call it."""
+        self._refuse_if_simulated("full_state_dict")
         return assemble(self, reduce=True)
 
     def local_full_state_dict(self) -> dict:
@@ -256,13 +312,15 @@ class SubnetDataParallel(nn.Module):
         bad = [m for m in modes if m not in ("full", "ensemble")]
         if bad:
             raise ValueError(f"evaluate modes must be 'full' and/or 'ensemble', got {bad}")
+        if "full" in modes:
+            self._refuse_if_simulated("evaluate(modes=('full', ...))")
         was_training = self.module.training
         self.module.eval()
         out = {}
         try:
             if "ensemble" in modes:
                 y = self.module(*inputs).float()
-                if self.world_size > 1:
+                if self.world_size > 1 and not self.simulated:  # simulated: this rank's subnetwork alone
                     dist.all_reduce(y, group=self.process_group)
                     y /= self.world_size
                 out["ensemble"] = y
@@ -273,6 +331,12 @@ class SubnetDataParallel(nn.Module):
             self.module.train(was_training)
         return out
 
+    def _refuse_if_simulated(self, what: str) -> None:
+        if self.simulated:
+            raise ValueError(f"{what} needs every rank's share of the model, but this engine simulates rank "
+                             f"{self.rank} of {self.world_size} alone; use evaluate(modes=('ensemble',)) for "
+                             "this rank's subnetwork")
+
     def comm_stats(self) -> dict:
         """Bytes handed to collectives and collectives issued, in total and per optimizer step."""
         steps = max(1, self.counter.steps)
@@ -281,7 +345,12 @@ class SubnetDataParallel(nn.Module):
             "bytes": self.counter.bytes, "collectives": self.counter.collectives,
             "bytes_per_step": self.counter.bytes / steps, "collectives_per_step": self.counter.collectives / steps,
             "by_kind": dict(self.counter.by_kind),
-            "predicted_per_sync": predicted_comm(self.plan, self.rank, self.strategy, self.regime),
+            "predicted_per_sync": predicted_comm(self.plan, self.rank, self.strategy, self.regime,
+                                                 self.bucket_cap_bytes),
+            "buckets": len(self._averager.states), "overlap": self._averager.overlap,
+            "buckets_issued_during_backward": self._averager.issued_during_backward,
+            "direct_gradient_runs": self.direct_gradient_runs,
+            "simulated": self.simulated,
         }
 
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict:
@@ -312,7 +381,8 @@ class SubnetDataParallel(nn.Module):
         # state); on CPU the training loop measures them with saved-tensor accounting.
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
         return {"parameters": params, "gradients": grads, "optimizer_state": state, "buffers": buffers,
-                "model_state": params + grads + state, "peak_allocated": peak}
+                "model_state": params + grads + state, "peak_allocated": peak,
+                "communication_buffers": self._averager.buffer_bytes}
 
     def predicted_model_state_bytes(self, optimizer_state_per_param: float = 2.0) -> float:
         """Plan's prediction of parameters + gradients + optimizer state (Adam: 2 x params)."""

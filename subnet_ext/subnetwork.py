@@ -108,14 +108,35 @@ def materialise_forward(model: nn.Module, plan, pieces: list[Piece], rank: int, 
     return handles
 
 
+class DirectGradient:
+    """Where the masked kernel writes one owned run's weight gradient: a view of the
+    run's place in its communication bucket, which becomes the run's `.grad` (so it is
+    never packed); `ready(piece)` tells the engine the gradient is final."""
+
+    def __init__(self, param: nn.Parameter, view: torch.Tensor, piece: Piece, ready):
+        self.param, self.view, self.piece, self.ready = param, view.view(param.shape), piece, ready
+
+    def write(self, g2: torch.Tensor, x2: torch.Tensor, rows, cols) -> None:
+        grad = self.param.grad
+        if grad is not None and grad.data_ptr() != self.view.data_ptr():
+            self.view.copy_(grad)  # a gradient put there by someone else: keep accumulating onto it
+        ops.masked_linear_grad_weight_(self.view, g2, x2, rows, cols, grad_out_full=True,
+                                       accumulate=grad is not None)
+        self.param.grad = self.view
+        self.ready(self.piece)
+
+
 class _OwnedLinearFunction(torch.autograd.Function):
     """y = x W^T + b with the full W; backward gives dense grad_x but the weight (and
-    bias) gradient only for the owned rows or columns, computed by the masked kernel."""
+    bias) gradient only for the owned rows or columns, computed by the masked kernel.
+
+    `direct[i]` (a DirectGradient or None) sends run i's weight gradient straight into
+    its communication bucket instead of returning it to autograd."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, dim, idx, splits, n_weight_views, *views):
+    def forward(ctx, x, weight, bias, dim, idx, splits, direct, n_weight_views, *views):
         ctx.save_for_backward(x, weight, idx)
-        ctx.dim, ctx.splits, ctx.n_weight_views = dim, splits, n_weight_views
+        ctx.dim, ctx.splits, ctx.direct, ctx.n_weight_views = dim, splits, direct, n_weight_views
         ctx.bias_is_param = bias is not None and bias.requires_grad
         return torch.nn.functional.linear(x, weight, bias)
 
@@ -125,16 +146,29 @@ class _OwnedLinearFunction(torch.autograd.Function):
         g2 = grad_y.reshape(-1, grad_y.shape[-1]).contiguous()
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         rows, cols = (idx, None) if ctx.dim == 0 else (None, idx)
-        owned_bias = ctx.dim == 0 and len(ctx.needs_input_grad) > 7 + ctx.n_weight_views
+        owned_bias = ctx.dim == 0 and len(ctx.needs_input_grad) > 8 + ctx.n_weight_views
+        any_direct = any(d is not None for d in ctx.direct)
         gx, gw, gb = ops.masked_linear_backward(
             g2, x2, weight, rows, cols, compact_weight=False, grad_out_full=True, dense_grad_input=True,
-            output_mask=(ctx.needs_input_grad[0], True, owned_bias))
-        grads = list(gw.split(ctx.splits, dim=ctx.dim))
+            output_mask=(ctx.needs_input_grad[0], not any_direct, owned_bias))
+        if not any_direct:
+            grads = list(gw.split(ctx.splits, dim=ctx.dim))
+        else:
+            grads = []
+            for d, part in zip(ctx.direct, idx.split(ctx.splits)):
+                r, c = (part, None) if ctx.dim == 0 else (None, part)
+                if d is not None:
+                    d.write(g2, x2, r, c)
+                    grads.append(None)
+                else:
+                    grads.append(ops.masked_linear_backward(
+                        g2, x2, weight, r, c, grad_out_full=True, dense_grad_input=True,
+                        output_mask=(False, True, False))[1])
         if owned_bias:
             grads += list(gb.split(ctx.splits))
         grad_x = gx.reshape(x.shape) if gx is not None else None
         grad_bias = g2.sum(0) if ctx.bias_is_param else None
-        return (grad_x, None, grad_bias, None, None, None, None, *grads)
+        return (grad_x, None, grad_bias, None, None, None, None, None, *grads)
 
 
 def _owned_linear_forward(module, x):
@@ -142,7 +176,8 @@ def _owned_linear_forward(module, x):
     bias_views = [getattr(module, n) for n in module._sdp_views.get("bias", [])]
     bias = module.bias_full if "bias" in module._sdp_views else module.bias
     return _OwnedLinearFunction.apply(x, module.weight_full, bias, module._sdp_dim, module._sdp_idx,
-                                      module._sdp_splits, len(weight_views), *weight_views, *bias_views)
+                                      module._sdp_splits, module._sdp_direct, len(weight_views), *weight_views,
+                                      *bias_views)
 
 
 class _AssembleOwned:
@@ -205,6 +240,7 @@ def prepare_backward(model: nn.Module, plan, pieces: list[Piece], rank: int):
             dim, runs = attrs["weight"]
             module._sdp_views, module._sdp_dim = views, dim
             module._sdp_splits = [length for _, length, _ in runs]
+            module._sdp_direct = [None] * len(runs)  # set by the engine (attach_direct_gradients)
             module._sdp_idx = torch.cat([torch.arange(s, s + n) for s, n, _ in runs]).to(module.weight_full.device) \
                 if runs else torch.empty(0, dtype=torch.long, device=module.weight_full.device)
             if not runs:
@@ -213,3 +249,22 @@ def prepare_backward(model: nn.Module, plan, pieces: list[Piece], rank: int):
         else:
             module.register_forward_pre_hook(_AssembleOwned(attrs))
     return piece_params, value_refs
+
+
+def attach_direct_gradients(model: nn.Module, piece_params: dict, view_for, ready) -> int:
+    """Backward regime: route the owned weight runs of masked Linear layers straight into
+    their communication buckets. view_for(piece, numel) -> 1-D bucket view or None;
+    ready(piece) is called once the run's gradient is written. Returns how many runs."""
+    by_param = {id(param): piece for piece, param in piece_params.items()}
+    count = 0
+    for module in model.modules():
+        if getattr(module, "_sdp_direct", None) is None:
+            continue
+        for i, name in enumerate(module._sdp_views["weight"]):
+            param = getattr(module, name)
+            piece = by_param.get(id(param))
+            view = view_for(piece, param.numel()) if piece is not None else None
+            if view is not None:
+                module._sdp_direct[i] = DirectGradient(param, view, piece, ready)
+                count += 1
+    return count

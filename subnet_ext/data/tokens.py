@@ -2,7 +2,6 @@
 .bin files (the nanoGPT layout)."""
 from __future__ import annotations
 
-import math
 import os
 
 import numpy as np

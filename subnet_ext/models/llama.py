@@ -8,7 +8,6 @@ of o_proj) or to some MLP neurons still runs: that is how SDP materialises a sub
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch

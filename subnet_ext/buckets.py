@@ -1,0 +1,82 @@
+"""Buckets: the pieces that need communication, cut into packed buffers in launch order.
+
+Built from the plan alone, so every rank computes the same list. A bucket holds pieces of
+one dtype that are averaged by one collective: with the per-group strategy, pieces of one
+owner set (all-reduced in that set's group); with the zero-filled strategy, pieces of any
+owner set, all-reduced over the world with zeros where a rank holds nothing.
+
+Order: gradients become ready roughly in reverse order of the model's parameters
+(the last layer's first), as torch DDP assumes. Pieces are visited in that order and
+added to the open bucket of their key; a bucket closes when it reaches the size cap, and
+the global launch order is the order in which buckets close (the rest close at the end,
+in order of their last piece). Every rank launches its buckets in this one global order,
+so two ranks never wait on each other in a cycle, and the layout (hence every sum) is the
+same whether communication overlaps the backward or not.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .pieces import Piece, rectangle
+
+DEFAULT_BUCKET_CAP_MB = 25.0  # torch DDP's default
+
+
+@dataclass
+class Bucket:
+    """One packed collective.
+
+    owners: the ranks that take part (an owner set, or every rank for zero-filled buckets).
+    pieces / offsets: the pieces in buffer order and the first buffer element of each.
+    numel: elements of the buffer. dtype: a torch dtype name ("float32", ...).
+    """
+
+    owners: tuple
+    dtype: str
+    pieces: list = field(default_factory=list)
+    offsets: list = field(default_factory=list)
+    numel: int = 0
+    last_position: int = 0  # visiting position of its last piece (for the closing order)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+
+def piece_numel(plan, piece: Piece) -> int:
+    r0, r1, c0, c1 = rectangle(plan.tensor_shapes[piece.name], piece.dim, piece.start, piece.length)
+    return (r1 - r0) * (c1 - c0)
+
+
+def build_buckets(plan, pieces: list[Piece], strategy: str, cap_bytes: float) -> list[Bucket]:
+    """Buckets in global launch order (see the module docstring).
+
+    Args:
+        pieces: pieces.global_pieces(plan); those with a single owner need no collective.
+        strategy: "groups" (one owner set per bucket) or "zero_filled" (world buckets).
+        cap_bytes: a bucket closes once it holds at least this many bytes (> 0).
+    """
+    if strategy not in ("groups", "zero_filled"):
+        raise ValueError(f"strategy must be 'groups' or 'zero_filled', got {strategy!r}")
+    if not (cap_bytes > 0 and math.isfinite(cap_bytes)):
+        raise ValueError(f"the bucket cap must be a positive number of bytes, got {cap_bytes!r}")
+    world = tuple(range(plan.world_size))
+    position = {name: i for i, name in enumerate(plan.tensor_shapes)}
+    shared = [p for p in pieces if len(p.owners) > 1]
+    shared.sort(key=lambda p: (-position[p.name], p.start))
+    open_buckets, closed = {}, []
+    for visit, p in enumerate(shared):
+        dtype = plan.tensor_dtypes[p.name]
+        owners = p.owners if strategy == "groups" else world
+        b = open_buckets.setdefault((owners, dtype), Bucket(owners, dtype))
+        b.pieces.append(p)
+        b.offsets.append(b.numel)
+        b.numel += piece_numel(plan, p)
+        b.last_position = visit
+        if b.nbytes >= cap_bytes:
+            closed.append(open_buckets.pop((owners, dtype)))
+    closed += sorted(open_buckets.values(), key=lambda b: b.last_position)
+    return closed

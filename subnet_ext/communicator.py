@@ -1,0 +1,127 @@
+"""Collectives among owner sets, counted: real (torch.distributed) or simulated (no-ops).
+
+`Communicator` makes one process group per distinct owner set (|S| > 1) once, every rank
+calling `new_group` for the same sets in the same sorted order, and issues the engine's
+all-reduces and broadcasts on them. `SimulatedCommunicator` runs one rank of a K-rank
+job alone: every collective is a local no-op that still counts its bytes, so the memory
+and time of that rank can be measured on one device.
+
+Owner sets and ranks are in the plan's numbering (ranks of `process_group`).
+"""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class CommCounter:
+    """Bytes handed to collectives and their number, over `steps` synchronised steps."""
+
+    bytes: int = 0
+    collectives: int = 0
+    steps: int = 0
+    by_kind: dict = field(default_factory=dict)
+
+    def add(self, kind: str, buffer: torch.Tensor) -> None:
+        n = buffer.numel() * buffer.element_size()
+        self.bytes += n
+        self.collectives += 1
+        b, c = self.by_kind.get(kind, (0, 0))
+        self.by_kind[kind] = (b + n, c + 1)
+
+
+def describe_set(owners: tuple, world_size: int) -> str:
+    return f"the world group ({world_size} ranks)" if len(owners) == world_size else f"owner set {owners}"
+
+
+class PendingCollective:
+    """An issued asynchronous collective; `wait()` names the operation and group if it fails."""
+
+    def __init__(self, work, operation: str, group: str):
+        self.work, self.operation, self.group = work, operation, group
+
+    def wait(self) -> None:
+        if self.work is None:
+            return
+        try:
+            self.work.wait()
+        except RuntimeError as e:
+            raise RuntimeError(f"subnet_ext: {self.operation} on {self.group} failed or timed out ({e}); a peer "
+                               "may have died or stopped calling collectives. Raise `timeout` if the peers are "
+                               "only slow.") from e
+
+
+class Communicator:
+    """Issues the engine's collectives on per-owner-set process groups.
+
+    Args:
+        owner_sets: every owner set the engine may communicate in (tuples of ranks).
+        world_size, rank: the plan's world size and this rank.
+        process_group: the group the plan's ranks live in (None: the default group).
+        counter: where bytes and collectives are counted.
+        timeout: seconds a collective of the owner-set groups may wait for its peers
+            (None: the default group's timeout).
+    """
+
+    simulated = False
+
+    def __init__(self, owner_sets, world_size: int, rank: int, process_group, counter: CommCounter,
+                 timeout: float | None = None):
+        self.world_size, self.rank, self.process_group, self.counter = world_size, rank, process_group, counter
+        self.groups = {}
+        if world_size == 1:
+            return
+        world_pg = process_group if process_group is not None else dist.group.WORLD
+        default = process_group is None or process_group == dist.group.WORLD
+        kwargs = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
+        for s in sorted(set(owner_sets)):
+            if len(s) < 2:
+                continue
+            if len(s) == world_size:
+                self.groups[s] = world_pg
+                continue
+            ranks = list(s) if default else [dist.get_global_rank(world_pg, r) for r in s]
+            # Every rank of the default group calls new_group for every set, in one order;
+            # inside a user group only its members can take part, so they sync locally.
+            self.groups[s] = dist.new_group(ranks, use_local_synchronization=not default, **kwargs)
+
+    def _global(self, rank: int) -> int:
+        return rank if self.process_group is None else dist.get_global_rank(self.process_group, rank)
+
+    def all_reduce(self, buffer: torch.Tensor, owners: tuple, kind: str) -> PendingCollective:
+        """Asynchronous sum of `buffer` over `owners` (in place)."""
+        self.counter.add(kind, buffer)
+        work = dist.all_reduce(buffer, group=self.groups[owners], async_op=True)
+        return PendingCollective(work, f"all_reduce of {kind}", describe_set(owners, self.world_size))
+
+    def broadcast(self, buffer: torch.Tensor, src: int, kind: str) -> None:
+        """Synchronous broadcast of `buffer` from plan rank `src` to every rank."""
+        self.counter.add(kind, buffer)
+        work = dist.broadcast(buffer, src=self._global(src), group=self.process_group, async_op=True)
+        PendingCollective(work, f"broadcast of {kind} from rank {src}",
+                          describe_set(tuple(range(self.world_size)), self.world_size)).wait()
+
+
+class SimulatedCommunicator(Communicator):
+    """Rank `rank` of a `world_size`-rank job, alone: collectives count bytes and do nothing.
+
+    Buffers keep this rank's values, so an average among owners becomes "every owner held
+    what this rank holds" (the engine unpacks with scale 1).
+    """
+
+    simulated = True
+
+    def __init__(self, world_size: int, rank: int, counter: CommCounter):
+        self.world_size, self.rank, self.process_group, self.counter = world_size, rank, None, counter
+        self.groups = {}
+
+    def all_reduce(self, buffer, owners, kind):
+        self.counter.add(kind, buffer)
+        return PendingCollective(None, f"all_reduce of {kind}", describe_set(owners, self.world_size))
+
+    def broadcast(self, buffer, src, kind):
+        self.counter.add(kind, buffer)

@@ -33,6 +33,14 @@ def build_parser() -> argparse.ArgumentParser:
     sdp.add_argument("--coverage", type=float, default=0.5, help="fraction of ranks owning each unit, in (0, 1]")
     sdp.add_argument("--sync-every", type=int, default=1, help="H: average parameters every H steps (H>1)")
     sdp.add_argument("--scale", choices=("none", "inverse"), default="none")
+    sdp.add_argument("--bucket-cap-mb", type=float, default=25.0,
+                     help="MiB per packed collective (SDP buckets; DDP's bucket_cap_mb too)")
+    sdp.add_argument("--no-overlap", action="store_true",
+                     help="issue SDP's all-reduces after the backward instead of during it (for measurement)")
+    sdp.add_argument("--simulate-rank", type=int, default=None, metavar="R",
+                     help="run only rank R of a --world-size K SDP job, alone on this device; collectives "
+                          "become no-ops that still count bytes (measures one rank's memory and time)")
+    sdp.add_argument("--world-size", type=int, default=None, metavar="K", help="K for --simulate-rank")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
@@ -72,6 +80,21 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--resume needs --save-dir")
     if args.timeout <= 0:
         p.error(f"--timeout must be positive, got {args.timeout}")
+    if not args.bucket_cap_mb > 0:
+        p.error(f"--bucket-cap-mb must be positive, got {args.bucket_cap_mb}")
+    if (args.simulate_rank is None) != (args.world_size is None):
+        p.error("--simulate-rank R and --world-size K go together")
+    if args.simulate_rank is not None:
+        if args.method != "sdp":
+            p.error(f"--simulate-rank applies to --method sdp (a full replica is --method ddp --nproc 1), "
+                    f"got --method {args.method}")
+        if args.world_size < 1 or not 0 <= args.simulate_rank < args.world_size:
+            p.error(f"--simulate-rank must be in [0, --world-size), got {args.simulate_rank} of {args.world_size}")
+        if (args.nproc or 1) != 1:
+            p.error(f"--simulate-rank runs one process; drop --nproc {args.nproc}")
+        if args.save_dir:
+            p.error("--simulate-rank holds one rank's share of the model, so it cannot write checkpoints; "
+                    "drop --save-dir")
     if args.data.startswith(("cifar:", "tokens:")) and not os.path.exists(args.data.split(":", 1)[1]):
         p.error(f"--data {args.data}: path {args.data.split(':', 1)[1]!r} does not exist")
 
@@ -115,8 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
+    torchrun = under_torchrun()  # before run(): a one-process run sets the same variables itself
     report = run(args)
-    if report is not None and not under_torchrun():
+    if report is not None and not torchrun:
         from .training.report import markdown_table
 
         print(markdown_table([report], baseline_label=report["label"]))

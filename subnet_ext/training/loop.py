@@ -21,16 +21,25 @@ from .methods import ActivationMeter, DDPMethod, FSDPMethod, SDPMethod, peak_rss
 from .tasks import build_task
 
 
+def data_rank(args: Namespace) -> tuple[int, int]:
+    """(rank, world size) whose data this process trains on: the simulated rank's, if any."""
+    if getattr(args, "simulate_rank", None) is not None:
+        return args.simulate_rank, args.world_size
+    return dist.get_rank(), dist.get_world_size()
+
+
 def make_method(args: Namespace, model, device):
+    bucket_cap_mb = getattr(args, "bucket_cap_mb", 25.0)
     if args.method == "ddp":
-        return DDPMethod(model, device)
+        return DDPMethod(model, device, bucket_cap_mb)
     if args.method == "fsdp":
         return FSDPMethod(model, device)
     from ..plan import plan_subnetworks
 
-    plan = plan_subnetworks(model, world_size=dist.get_world_size(), coverage=args.coverage, level=args.level,
+    plan = plan_subnetworks(model, world_size=data_rank(args)[1], coverage=args.coverage, level=args.level,
                             seed=args.seed)
-    return SDPMethod(model, plan, args.regime, args.sync_every, args.scale)
+    return SDPMethod(model, plan, args.regime, args.sync_every, args.scale, bucket_cap_mb=bucket_cap_mb,
+                     overlap=not getattr(args, "no_overlap", False), simulate_rank=getattr(args, "simulate_rank", None))
 
 
 @torch.no_grad()
@@ -65,7 +74,7 @@ def run_worker(args: Namespace) -> dict | None:
     progress = _progress(rank, start, args.steps)
     step_times, memory, activation_bytes = [], None, None
     for step in range(start, args.steps):
-        x, y = task.batch(step, rank, world)
+        x, y = task.batch(step, *data_rank(args))
         x, y = x.to(device), y.to(device)
         t0 = time.perf_counter()
         meter = ActivationMeter() if memory is None else None
@@ -128,6 +137,8 @@ def _report(args, task, method, per_rank, comm, final, history, world):
         "model": args.model, "preset": args.preset, "data": args.data, "task": task.kind,
         "loss_floor": task.floor,
         "world_size": world, "steps": args.steps, "batch_size_per_rank": args.batch_size,
+        "simulated": ({"rank": args.simulate_rank, "world_size": args.world_size}
+                      if getattr(args, "simulate_rank", None) is not None else None),
         "sdp": {"level": args.level, "regime": args.regime, "coverage": args.coverage,
                 "sync_every": args.sync_every, "scale": args.scale} if args.method == "sdp" else None,
         "plan": method.plan.summary() if args.method == "sdp" else None,

@@ -114,12 +114,13 @@ class Method:
 class DDPMethod(Method):
     name = "ddp"
 
-    def __init__(self, model, device):
+    def __init__(self, model, device, bucket_cap_mb: float = 25.0):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         super().__init__(model)
         self.counter = CommCounter()
-        self.ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        self.ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                       bucket_cap_mb=bucket_cap_mb)
         self.ddp.register_comm_hook(None, _counting_allreduce_hook(self.counter))
 
     def __call__(self, x):
@@ -206,12 +207,14 @@ def _is_block_list_member(model, name):
 class SDPMethod(Method):
     name = "sdp"
 
-    def __init__(self, model, plan, regime, sync_every, scale, process_group=None):
+    def __init__(self, model, plan, regime, sync_every, scale, process_group=None, bucket_cap_mb=25.0,
+                 overlap=True, simulate_rank=None):
         from ..engine import SubnetDataParallel
 
         super().__init__(model)
         self.sdp = SubnetDataParallel(model, plan, regime=regime, sync_every=sync_every, scale=scale,
-                                      process_group=process_group)
+                                      process_group=process_group, bucket_cap_mb=bucket_cap_mb, overlap=overlap,
+                                      simulate_rank=simulate_rank)
         self.plan = plan
 
     def __call__(self, x):
@@ -238,4 +241,6 @@ class SDPMethod(Method):
 
     @torch.no_grad()
     def eval_logits(self, x):
+        if self.sdp.simulated:  # one rank alone: only its own subnetwork can be evaluated
+            return {"subnetwork": self.sdp.evaluate(x, modes=("ensemble",))["ensemble"]}
         return self.sdp.evaluate(x, modes=("full", "ensemble"))

@@ -20,7 +20,8 @@ def _rank_max(report, key):
 def summary_row(report: dict, baseline: dict | None = None) -> dict:
     """The headline figures of one run (worst rank for memory), with ratios to a baseline."""
     final = report["final"]
-    quality = final["full"]["accuracy"] if report["task"] == "classification" else final["full"]["loss"]
+    main = final["full"] if "full" in final else final["subnetwork"]  # a simulated rank has only its own
+    quality = main["accuracy"] if report["task"] == "classification" else main["loss"]
     row = {
         "run": report["label"],
         "quality": quality,

@@ -9,38 +9,17 @@
 // and W[R][:, S]) then masked_linear_backward fed with them; "ours, regather" calls the
 // backward without them, so it gathers both operands a second time.
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/Parallel.h>
 
 #include <cstdio>
 #include <tuple>
 
 #include "bench_util.h"
+#include "masked_linear_ops.h"
 
 using at::Tensor;
-using OptT = std::optional<Tensor>;
-using Triple = std::tuple<Tensor, Tensor, Tensor>;
-
-static const auto& forward_op() {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("subnet_ext::masked_linear_forward", "")
-                       .typed<Triple(const Tensor&, const Tensor&, const OptT&, const OptT&, const OptT&, bool,
-                                     int64_t)>();
-  return op;
-}
-
-static const auto& backward_op() {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("subnet_ext::masked_linear_backward", "")
-                       .typed<Triple(const Tensor&, const Tensor&, const Tensor&, const OptT&, const OptT&, bool,
-                                     bool, bool, std::array<bool, 3>, const OptT&, const OptT&)>();
-  return op;
-}
-
-static Tensor kept(int64_t n, double f) {
-  int64_t k = std::max<int64_t>(1, static_cast<int64_t>(n * f + 0.5));
-  return std::get<0>(at::randperm(n, at::kLong).narrow(0, 0, k).sort());
-}
+using bench::backward_op;
+using bench::forward_op;
 
 int main() {
   at::manual_seed(0);
@@ -63,7 +42,7 @@ int main() {
   std::vector<std::string> rows, verdicts;
   double dense_for_print = 0;
   for (double f : {0.25, 0.5, 1.0}) {
-    Tensor out_idx = kept(O, f), in_idx = kept(I, f);
+    Tensor out_idx = bench::kept_indices(O, f), in_idx = bench::kept_indices(I, f);
     Tensor gy = at::randn({B, out_idx.size(0)});
     Tensor y1, xk, wk, gx1, gw1, gb1;
     auto ours_fn = [&] {

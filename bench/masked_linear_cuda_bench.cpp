@@ -5,7 +5,6 @@
 // "ours" is what autograd runs: masked_linear_forward (returns the gathered x[:, S] and
 // W[R][:, S]) then masked_linear_backward fed with them.
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <cstdio>
 #include <string>
@@ -13,31 +12,11 @@
 
 #include "bench_cuda_util.h"
 #include "bench_util.h"
+#include "masked_linear_ops.h"
 
 using at::Tensor;
-using OptT = std::optional<Tensor>;
-using Triple = std::tuple<Tensor, Tensor, Tensor>;
-
-static const auto& forward_op() {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("subnet_ext::masked_linear_forward", "")
-                       .typed<Triple(const Tensor&, const Tensor&, const OptT&, const OptT&, const OptT&, bool,
-                                     int64_t)>();
-  return op;
-}
-
-static const auto& backward_op() {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("subnet_ext::masked_linear_backward", "")
-                       .typed<Triple(const Tensor&, const Tensor&, const Tensor&, const OptT&, const OptT&, bool,
-                                     bool, bool, std::array<bool, 3>, const OptT&, const OptT&)>();
-  return op;
-}
-
-static Tensor kept(int64_t n, double f, const at::TensorOptions& idx) {
-  int64_t k = std::max<int64_t>(1, static_cast<int64_t>(n * f + 0.5));
-  return std::get<0>(at::randperm(n, at::kLong).narrow(0, 0, k).sort()).to(idx);
-}
+using bench::backward_op;
+using bench::forward_op;
 
 static double rel_err(const Tensor& a, const Tensor& r) {
   return ((a.to(at::kFloat) - r.to(at::kFloat)).abs().max() / r.to(at::kFloat).abs().max().clamp_min(1e-30))
@@ -69,7 +48,7 @@ int main() {
   std::vector<std::string> verdicts;
   bool all_ok = true;
   for (double f : {0.25, 0.5}) {
-    Tensor out_idx = kept(O, f, idx_opt), in_idx = kept(I, f, idx_opt);
+    Tensor out_idx = bench::kept_indices(O, f, idx_opt), in_idx = bench::kept_indices(I, f, idx_opt);
     Tensor gy = at::randn({B, out_idx.size(0)}, opt);
     Tensor y1, xk, wk, gx1, gw1, gb1, y2, gx2, gw2, gb2;
     auto ours_fn = [&] {

@@ -1,0 +1,43 @@
+// Typed handles on the masked-linear ops, and index sets, shared by the CPU and CUDA
+// microbenchmarks (they call the ops through the dispatcher, as Python does).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <algorithm>
+#include <array>
+#include <optional>
+#include <tuple>
+
+namespace bench {
+
+using OptTensor = std::optional<at::Tensor>;
+using Triple = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
+// subnet_ext::masked_linear_forward: (y, x_kept, weight_block).
+inline const auto& forward_op() {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("subnet_ext::masked_linear_forward", "")
+                       .typed<Triple(const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&,
+                                     const OptTensor&, bool, int64_t)>();
+  return op;
+}
+
+// subnet_ext::masked_linear_backward: (grad_x, grad_weight, grad_bias).
+inline const auto& backward_op() {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("subnet_ext::masked_linear_backward", "")
+                       .typed<Triple(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
+                                     const OptTensor&, bool, bool, bool, std::array<bool, 3>, const OptTensor&,
+                                     const OptTensor&)>();
+  return op;
+}
+
+// round(n * f) (at least one) distinct indices of [0, n), sorted, with `options`' device.
+inline at::Tensor kept_indices(int64_t n, double f, const at::TensorOptions& options = at::kLong) {
+  const int64_t k = std::max<int64_t>(1, static_cast<int64_t>(n * f + 0.5));
+  return std::get<0>(at::randperm(n, at::kLong).narrow(0, 0, k).sort()).to(options);
+}
+
+}  // namespace bench

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from . import ops
+from .collectives import as_timedelta, describe_group, wait
 from .pieces import Piece, rectangle
 
 
@@ -42,9 +43,10 @@ class CommCounter:
 class OwnerGroups:
     """Process groups of the owner sets, in terms of ranks of `process_group`."""
 
-    def __init__(self, owner_sets, world_size: int, process_group=None):
+    def __init__(self, owner_sets, world_size: int, process_group=None, timeout: float | None = None):
         self.world_size = world_size
         self.process_group = process_group
+        self.timeout = timeout  # seconds each collective may take (None: the process group's own)
         self.groups = {}
         if world_size == 1 or not dist.is_initialized():
             return
@@ -59,7 +61,8 @@ class OwnerGroups:
             ranks = list(s) if default else [dist.get_global_rank(world_pg, r) for r in s]
             # Every rank of the default group calls new_group for every set, in one order;
             # inside a user group only its members can take part, so they sync locally.
-            self.groups[s] = dist.new_group(ranks, use_local_synchronization=not default)
+            self.groups[s] = dist.new_group(ranks, use_local_synchronization=not default,
+                                            timeout=as_timedelta(timeout))
 
     def get(self, owner_set):
         return self.groups[owner_set]
@@ -67,6 +70,10 @@ class OwnerGroups:
     @property
     def world(self):
         return self.process_group
+
+    def describe(self, owner_set) -> str:
+        """How a collective error names this set: 'owner set (0, 2)' or 'world (4 ranks)'."""
+        return describe_group(owner_set, self.world_size)
 
 
 Resolver = Callable[[Piece], tuple]  # piece -> (tensor, rectangle) on this rank
@@ -106,9 +113,9 @@ class PackedAverager:
                 self.counter.add(kind, buffer)
                 work = dist.all_reduce(buffer, group=self.groups.get(s), async_op=True)
                 scales = torch.full((table.shape[0],), 1.0 / len(s), dtype=torch.float32)
-                pending.append((work, tensors, table, buffer, scales))
-        for work, tensors, table, buffer, scales in pending:
-            work.wait()
+                pending.append((s, (work, tensors, table, buffer, scales)))
+        for s, (work, tensors, table, buffer, scales) in pending:
+            wait(work, "all_reduce", self.groups.describe(s), self.groups.timeout)
             ops.unpack_average_(tensors, table, buffer, scales)
 
     def _average_zero_filled(self, resolve, kind, pieces_filter):
@@ -130,7 +137,8 @@ class PackedAverager:
             if tensors:
                 ops.pack_segments(tensors, table, buffer)
             self.counter.add(kind, buffer)
-            dist.all_reduce(buffer, group=self.groups.world)
+            wait(dist.all_reduce(buffer, group=self.groups.world, async_op=True), "all_reduce",
+                 self.groups.describe(range(self.world_size)), self.groups.timeout)
             if tensors:
                 scales = torch.tensor([1.0 / len(p.owners) for p, _, _ in mine], dtype=torch.float32)
                 ops.unpack_average_(tensors, table, buffer, scales)
@@ -160,7 +168,7 @@ def _table(items, offsets):
 
 
 def broadcast_pieces(pieces: list[Piece], rank: int, world_size: int, resolve: Resolver, counter: CommCounter,
-                     process_group, kind: str = "refresh") -> None:
+                     process_group, kind: str = "refresh", timeout: float | None = None) -> None:
     """Backward regime refresh: each leader broadcasts the pieces it leads that some rank
     lacks; the ranks that do not own a piece overwrite their copy (scale 1, exact)."""
     if world_size == 1 or not dist.is_initialized():
@@ -174,7 +182,8 @@ def broadcast_pieces(pieces: list[Piece], rank: int, world_size: int, resolve: R
                 ops.pack_segments(tensors, table, buffer)
             counter.add(kind, buffer)
             src = leader if process_group is None else dist.get_global_rank(process_group, leader)
-            dist.broadcast(buffer, src=src, group=process_group)
+            wait(dist.broadcast(buffer, src=src, group=process_group, async_op=True), f"broadcast from rank {leader}",
+                 describe_group(range(world_size), world_size), timeout)
             keep = [i for i, (p, _, _) in enumerate(dtype_items) if rank not in p.owners]
             if keep:
                 sub = table[keep]

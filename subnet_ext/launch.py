@@ -9,12 +9,27 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 import traceback
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+class WorkerError(RuntimeError):
+    """A local worker failed; the message is its exception (type and text) and its rank."""
+
+
+def _clean_stop_types() -> tuple:
+    """Errors a run detects and stops on by design: reported in one line, no traceback."""
+    from .checkpoint import CheckpointError
+    from .collectives import CollectiveError
+    from .consistency import ConsistencyError
+    from .guard import TooManySkippedSteps
+
+    return TooManySkippedSteps, ConsistencyError, CollectiveError, CheckpointError
 
 
 def free_port() -> int:
@@ -62,6 +77,9 @@ def _worker(local_rank: int, nproc: int, port: int, fn: Callable, args, threads:
     torch.set_num_threads(threads)
     try:
         fn(args)
+    except _clean_stop_types() as e:
+        print(f"[rank {local_rank}] stopped: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        raise
     except BaseException:
         traceback.print_exc()
         raise
@@ -79,5 +97,10 @@ def spawn_local(fn: Callable, args, nproc: int) -> None:
     if nproc < 1:
         raise ValueError(f"--nproc must be at least 1, got {nproc}")
     threads = max(1, (os.cpu_count() or 1) // nproc)
-    mp.start_processes(_worker, args=(nproc, free_port(), fn, args, threads), nprocs=nproc, join=True,
-                       start_method="spawn")
+    try:
+        mp.start_processes(_worker, args=(nproc, free_port(), fn, args, threads), nprocs=nproc, join=True,
+                           start_method="spawn")
+    except mp.ProcessRaisedException as e:
+        # Its text is the worker's whole traceback; the last line is the exception itself.
+        lines = [line for line in str(e).strip().splitlines() if line.strip()]
+        raise WorkerError(f"worker {e.error_index} failed: {lines[-1] if lines else e}") from e

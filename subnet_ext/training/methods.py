@@ -110,6 +110,10 @@ class Method:
         """{"full": logits} (plus "ensemble" for SDP), identical on every rank."""
         raise NotImplementedError
 
+    def verify_consistency(self) -> None:
+        """Raise ConsistencyError unless the copies that must agree do (collective)."""
+        raise NotImplementedError(f"--verify-every is not available for --method {self.name}")
+
 
 class DDPMethod(Method):
     name = "ddp"
@@ -140,6 +144,11 @@ class DDPMethod(Method):
 
     def load_full_state_dict(self, sd):
         self.module.load_state_dict(sd)
+
+    def verify_consistency(self):
+        from ..consistency import verify_replicas
+
+        verify_replicas(self.module.state_dict())  # data parallelism: every rank is a replica
 
     @torch.no_grad()
     def eval_logits(self, x):
@@ -206,12 +215,12 @@ def _is_block_list_member(model, name):
 class SDPMethod(Method):
     name = "sdp"
 
-    def __init__(self, model, plan, regime, sync_every, scale, process_group=None):
+    def __init__(self, model, plan, regime, sync_every, scale, process_group=None, timeout=None):
         from ..engine import SubnetDataParallel
 
         super().__init__(model)
         self.sdp = SubnetDataParallel(model, plan, regime=regime, sync_every=sync_every, scale=scale,
-                                      process_group=process_group)
+                                      process_group=process_group, timeout=timeout)
         self.plan = plan
 
     def __call__(self, x):
@@ -235,6 +244,9 @@ class SDPMethod(Method):
 
     def load_full_state_dict(self, sd):
         self.sdp.load_full_state_dict(sd)
+
+    def verify_consistency(self):
+        self.sdp.verify_consistency()
 
     @torch.no_grad()
     def eval_logits(self, x):

@@ -272,8 +272,12 @@ def read_state(folder: str, request: dict, group=None) -> None:
     torch.distributed is not initialised."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.load(request, storage_reader=dcp.FileSystemReader(os.path.join(folder, STATE)), process_group=group,
-             no_dist=not dist.is_initialized())
+    single = not dist.is_initialized()
+    with warnings.catch_warnings():
+        if single:  # DCP warns that it assumes one process, which is what single means here
+            warnings.filterwarnings("ignore", message="torch.distributed is .*single process")
+        dcp.load(request, storage_reader=dcp.FileSystemReader(os.path.join(folder, STATE)), process_group=group,
+                 no_dist=single)
 
 
 # ----------------------------------------------------------------------------- SDP

@@ -135,8 +135,9 @@ def run(args: argparse.Namespace) -> dict | None:
         return run_worker(args)
     nproc = args.nproc or 1
     if nproc == 1:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
+        env = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         try:
             return run_worker(args)
         finally:
@@ -144,6 +145,12 @@ def run(args: argparse.Namespace) -> dict | None:
 
             if dist.is_initialized():
                 dist.destroy_process_group()
+            # Restored, or a later run in this process would believe it runs under torchrun.
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
     if not args.out:  # the workers hand their report back through this folder
         import tempfile
 

@@ -64,8 +64,18 @@ def pick_backend(requested: str = "auto", device: str = "auto") -> tuple[str, to
 
 def init_distributed(backend: str, timeout_s: float = 300.0) -> None:
     """init_process_group from the environment, with a bounded timeout (no endless hangs)."""
-    if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    if dist.is_initialized():
+        return
+    timeout = datetime.timedelta(seconds=timeout_s)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None:
+        dist.init_process_group(backend=backend, timeout=timeout)
+        return
+    # Under torchrun the agent's store outlives a restart: without a per-attempt namespace a
+    # restarted rank can read the dead attempt's gloo addresses and fail to connect.
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    store = dist.PrefixStore(f"subnet_ext/attempt_{restart}", store)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 def _worker(local_rank: int, nproc: int, port: int, fn: Callable, args, threads: int) -> None:

@@ -16,7 +16,6 @@ A resume refuses a checkpoint of another model, data, method or seed.
 from __future__ import annotations
 
 import base64
-import os
 import warnings
 
 import torch
@@ -24,7 +23,6 @@ import torch.distributed as dist
 
 from ..checkpoint import (CheckpointError, CheckpointWriteError, find_checkpoint, list_checkpoints,
                           load_subnet_checkpoint, read_state, save_checkpoint, save_subnet_checkpoint, state_metadata)
-from ..manifest import read_manifest
 
 # What must match for a resume; SDP may change world size, coverage, level, regime and
 # sync period (the state is re-planned), DDP/FSDP the world size.
@@ -108,7 +106,8 @@ def save(save_dir: str, step: int, method, optimizer, history: dict, args, final
 
 def check_compatible(folder: str, manifest: dict, args) -> None:
     saved = manifest.get("identity", {})
-    diffs = [f"{k} {saved.get(k)!r} vs {getattr(args, k, None)!r}" for k in FIXED if saved.get(k) != getattr(args, k, None)]
+    diffs = [f"{k} {saved.get(k)!r} vs {getattr(args, k, None)!r}" for k in FIXED
+             if saved.get(k) != getattr(args, k, None)]
     if diffs:
         raise CheckpointError(f"--resume: checkpoint {folder} belongs to another run ({'; '.join(diffs)}: checkpoint "
                               "vs this run). Resume with the same settings, or use another --save-dir.")
@@ -163,7 +162,8 @@ def _assemble_sdp(folder, manifest, available) -> dict:
     from ..slots import as_2d, full_rect, piece_key
 
     plan = SubnetPlan.from_json(manifest["plan"])
-    out = {n: torch.zeros(shape, dtype=getattr(torch, plan.tensor_dtypes[n])) for n, shape in plan.tensor_shapes.items()}
+    out = {n: torch.zeros(shape, dtype=getattr(torch, plan.tensor_dtypes[n]))
+           for n, shape in plan.tensor_shapes.items()}
     pieces = global_pieces(plan)
     request = {MODEL + piece_key(p): torch.empty(available[MODEL + piece_key(p)][0], dtype=out[p.name].dtype)
                for p in pieces}
@@ -178,5 +178,3 @@ def _assemble_sdp(folder, manifest, available) -> dict:
             out[n].copy_(request[MODEL + n])
     return out
 
-
-__all__ = ["save", "resume", "load_full_model_state", "identity", "read_manifest", "CheckpointError"]

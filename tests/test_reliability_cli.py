@@ -4,9 +4,11 @@ rank is skipped everywhere (counted in the report, owners still agree); --max-sk
 stops the run cleanly."""
 import json
 import os
+import signal
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from subnet_ext.launch import free_port
@@ -24,10 +26,17 @@ def test_killed_worker_restarts_and_matches_uninterrupted_run(tmp_path):
         env.pop(key, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "subnet_ext.train",
-           *run, "--save-dir", str(tmp_path / "elastic"), "--resume", "auto", "--timeout", "60",
+           *run, "--save-dir", str(tmp_path / "elastic"), "--resume", "auto", "--timeout", "30",
            "--out", str(tmp_path / "e")]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    log = proc.stdout + proc.stderr
+    # Its own session, so a hung run is killed with every worker it started.
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail(f"the elastic run did not finish within 240 s:\n{log[-4000:]}")
     assert proc.returncode == 0, log[-4000:]
     assert "exitcode: -9" in log, log[-4000:]  # the first attempt really lost a worker to SIGKILL
     whole = load_full_model_state(str(tmp_path / "whole" / "step-000008"))

@@ -167,3 +167,17 @@ def test_ddp_checkpoint_resumes_on_another_world_size(tmp_path):
     after = load_full_model_state(str(tmp_path / "ck" / "step-000003"))
     assert saved.keys() == after.keys()
     assert any(not torch.equal(saved[k], after[k]) for k in saved)  # it trained on from there
+
+
+def test_resume_from_an_explicit_folder(saved, tmp_path, capsys):
+    folder = copy_of(saved[0], tmp_path)
+    older = str(folder / "step-000004")
+    code, report = train(tmp_path, tmp_path / "branch", "--resume", older, steps=6, out="branch")
+    assert code == 0 and report["history"]["step"] == list(range(1, 7))
+    assert report["history"]["loss"] == pytest.approx(saved[1]["history"]["loss"], rel=1e-6, abs=1e-7)
+    os.remove(first_data_file(older))  # an explicit checkpoint is that one or an error, no fallback
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        code, _ = train(tmp_path, tmp_path / "branch2", "--resume", older, steps=6, out="branch2")
+    err = capsys.readouterr().err
+    assert code == 1 and "step-000004" in err and "missing" in err, err

@@ -114,7 +114,8 @@ def run_worker(args: Namespace) -> dict | None:
             return None  # a deliberate interruption, for resume tests
     progress.close()
     final = evaluate(method, task, device)
-    history["eval"].append({"step": args.steps, **final})
+    # A run resumed from its own final checkpoint (e.g. restarted after it) evaluates again: one entry.
+    history["eval"] = [e for e in history["eval"] if e["step"] != args.steps] + [{"step": args.steps, **final}]
     if args.save_dir:
         checkpointing.save(args.save_dir, args.steps, method, optimizer, history, args, final=True)
     local = {

@@ -90,9 +90,10 @@ std::vector<SegmentDesc> checked_segments(const char* op, at::TensorList tensors
       TORCH_CHECK_VALUE(std::isfinite(scale), op, ": scales[", s, "] = ", scale, " is not finite");
     }
     out[s] = SegmentDesc{r[0], r[1], r[2], r[3], r[4], r[5], cols, scale};
-    TORCH_CHECK_VALUE(r[5] >= 0 && r[5] + segment_numel(out[s]) <= buffer.numel(), op, ": segment ", s,
-                      " occupies buffer [", r[5], ", ", r[5] + segment_numel(out[s]), ") but the buffer has ",
-                      buffer.numel(), " elements");
+    // Compared as offset <= numel - size: offset + size could overflow int64 for a hostile offset.
+    TORCH_CHECK_VALUE(r[5] >= 0 && r[5] <= buffer.numel() - segment_numel(out[s]), op, ": segment ", s,
+                      " occupies buffer elements from offset ", r[5], " (", segment_numel(out[s]),
+                      " of them) but the buffer has ", buffer.numel(), " elements");
   }
   std::vector<size_t> by_offset(count);
   std::iota(by_offset.begin(), by_offset.end(), 0);

@@ -3,9 +3,12 @@
 Each of K ranks trains a structured subnetwork of the model; each parameter is averaged
 only among the ranks that hold it. See README.md and DESIGN.md.
 """
-from . import ops, reference
+from . import checkpoint, ops, reference
 from .build import build_info
+from .collectives import CollectiveError
+from .consistency import ConsistencyError
 from .engine import SubnetDataParallel
+from .guard import NonFiniteGuard, TooManySkippedSteps
 from .plan import SubnetPlan, Unit, plan_subnetworks
 from .ops import (
     masked_linear,
@@ -20,6 +23,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "SubnetDataParallel",
+    "NonFiniteGuard",
+    "TooManySkippedSteps",
+    "ConsistencyError",
+    "CollectiveError",
+    "checkpoint",
     "SubnetPlan",
     "Unit",
     "plan_subnetworks",

@@ -10,11 +10,12 @@ Owner sets and ranks are in the plan's numbering (ranks of `process_group`).
 """
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from . import collectives
 
 
 @dataclass
@@ -34,25 +35,16 @@ class CommCounter:
         self.by_kind[kind] = (b + n, c + 1)
 
 
-def describe_set(owners: tuple, world_size: int) -> str:
-    return f"the world group ({world_size} ranks)" if len(owners) == world_size else f"owner set {owners}"
-
-
 class PendingCollective:
-    """An issued asynchronous collective; `wait()` names the operation and group if it fails."""
+    """An issued asynchronous collective; `wait()` raises collectives.CollectiveError naming
+    the operation and the group when it fails or outlasts the timeout."""
 
-    def __init__(self, work, operation: str, group: str):
-        self.work, self.operation, self.group = work, operation, group
+    def __init__(self, work, operation: str, group: str, timeout: float | None):
+        self.work, self.operation, self.group, self.timeout = work, operation, group, timeout
 
     def wait(self) -> None:
-        if self.work is None:
-            return
-        try:
-            self.work.wait()
-        except RuntimeError as e:
-            raise RuntimeError(f"subnet_ext: {self.operation} on {self.group} failed or timed out ({e}); a peer "
-                               "may have died or stopped calling collectives. Raise `timeout` if the peers are "
-                               "only slow.") from e
+        if self.work is not None:
+            collectives.wait(self.work, self.operation, self.group, self.timeout)
 
 
 class Communicator:
@@ -63,8 +55,8 @@ class Communicator:
         world_size, rank: the plan's world size and this rank.
         process_group: the group the plan's ranks live in (None: the default group).
         counter: where bytes and collectives are counted.
-        timeout: seconds a collective of the owner-set groups may wait for its peers
-            (None: the default group's timeout).
+        timeout: seconds each collective may wait for its peers before raising
+            collectives.CollectiveError (None: the process group's own timeout).
     """
 
     simulated = False
@@ -72,12 +64,13 @@ class Communicator:
     def __init__(self, owner_sets, world_size: int, rank: int, process_group, counter: CommCounter,
                  timeout: float | None = None):
         self.world_size, self.rank, self.process_group, self.counter = world_size, rank, process_group, counter
+        self.timeout = timeout
         self.groups = {}
         if world_size == 1:
             return
         world_pg = process_group if process_group is not None else dist.group.WORLD
         default = process_group is None or process_group == dist.group.WORLD
-        kwargs = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
+        kwargs = {} if timeout is None else {"timeout": collectives.as_timedelta(timeout)}
         for s in sorted(set(owner_sets)):
             if len(s) < 2:
                 continue
@@ -96,14 +89,15 @@ class Communicator:
         """Asynchronous sum of `buffer` over `owners` (in place)."""
         self.counter.add(kind, buffer)
         work = dist.all_reduce(buffer, group=self.groups[owners], async_op=True)
-        return PendingCollective(work, f"all_reduce of {kind}", describe_set(owners, self.world_size))
+        return PendingCollective(work, f"all_reduce of {kind}", collectives.describe_group(owners, self.world_size),
+                                 self.timeout)
 
     def broadcast(self, buffer: torch.Tensor, src: int, kind: str) -> None:
         """Synchronous broadcast of `buffer` from plan rank `src` to every rank."""
         self.counter.add(kind, buffer)
         work = dist.broadcast(buffer, src=self._global(src), group=self.process_group, async_op=True)
-        PendingCollective(work, f"broadcast of {kind} from rank {src}",
-                          describe_set(tuple(range(self.world_size)), self.world_size)).wait()
+        collectives.wait(work, f"broadcast of {kind} from rank {src}",
+                         collectives.describe_group(range(self.world_size), self.world_size), self.timeout)
 
 
 class SimulatedCommunicator(Communicator):
@@ -117,11 +111,11 @@ class SimulatedCommunicator(Communicator):
 
     def __init__(self, world_size: int, rank: int, counter: CommCounter):
         self.world_size, self.rank, self.process_group, self.counter = world_size, rank, None, counter
-        self.groups = {}
+        self.timeout, self.groups = None, {}
 
     def all_reduce(self, buffer, owners, kind):
         self.counter.add(kind, buffer)
-        return PendingCollective(None, f"all_reduce of {kind}", describe_set(owners, self.world_size))
+        return PendingCollective(None, f"all_reduce of {kind}", "", None)
 
     def broadcast(self, buffer, src, kind):
         self.counter.add(kind, buffer)

@@ -26,6 +26,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from .averaging import BucketedAverager, refresh_copies
 from .buckets import DEFAULT_BUCKET_CAP_MB, build_buckets
 from .communicator import CommCounter, Communicator, SimulatedCommunicator
+from . import collectives, consistency, guard, optim_state
+from .collectives import as_timedelta
 from .costs import DEFAULT_LATENCY_BYTES, choose_strategy, predicted_comm
 from .pieces import global_pieces, local_starts, rectangle
 from .plan import SubnetPlan, model_fingerprint
@@ -70,7 +72,9 @@ class SubnetDataParallel(nn.Module):
         simulate_rank: run only rank r of the plan's K ranks, alone, without
             torch.distributed: collectives are no-ops that still count their bytes, so the
             memory and time of one rank of a K-rank job can be measured on one device.
-        timeout: seconds a collective of the owner-set groups may wait for its peers.
+        timeout: seconds any of the engine's collectives may take before it raises a
+            CollectiveError naming the operation and the group (None: the process
+            group's own timeout). See collectives.py.
     """
 
     def __init__(self, model: nn.Module, plan: SubnetPlan, regime: str = "forward", sync_every: int = 1,
@@ -116,6 +120,8 @@ class SubnetDataParallel(nn.Module):
                              f"this model {fingerprint}); plan this model with plan_subnetworks")
         self.plan, self.regime, self.sync_every, self.scale = plan, regime, sync_every, scale
         self.process_group = process_group
+        as_timedelta(timeout)  # validates it before any collective
+        self.timeout = timeout
         first = next(iter(model.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
         self._sync_initial_state(model)
@@ -236,7 +242,7 @@ class SubnetDataParallel(nn.Module):
         with torch.no_grad():
             for ts in by_dtype.values():
                 flat = torch.cat([t.detach().reshape(-1) for t in ts])
-                dist.broadcast(flat, src=src, group=self.process_group)
+                collectives.broadcast(flat, src, self.process_group, self.timeout)
                 for t, part in zip(ts, flat.split([t.numel() for t in ts])):
                     t.copy_(part.view(t.shape))
 
@@ -299,6 +305,26 @@ class SubnetDataParallel(nn.Module):
         """Start from a full-model state dict (e.g. a checkpoint of the unmasked model)."""
         load_pieces(self, state_dict)
 
+    def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        """The optimizer's state in the original names and shapes, identical on every rank:
+        {"state": {name: {"exp_avg": tensor, ..., "step": 0-d}}, "param_groups": [...]}.
+        Loads on any plan of the same model. Collective. See optim_state.py."""
+        return optim_state.full_optimizer_state_dict(self, optimizer)
+
+    def load_full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """Give `optimizer` (over this engine's parameters) its share of a full optimizer state."""
+        optim_state.load_full_optimizer_state_dict(self, optimizer, state)
+
+    def verify_consistency(self) -> None:
+        """Raise ConsistencyError naming the unit and the ranks unless the owners of every
+        unit hold bit-identical values. Collective; call it at a synchronisation point."""
+        consistency.verify_consistency(self)
+
+    def gradients_finite(self) -> bool:
+        """True when every rank's gradients are finite (one all-reduced flag); when False,
+        skip optimizer.step() on every rank. Collective. See guard.py."""
+        return guard.gradients_finite(self._trainable, self.process_group, self.timeout)
+
     def full_model(self) -> nn.Module:
         """A new, unmasked model holding the assembled full state (collective)."""
         model = copy.deepcopy(self._skeleton)
@@ -321,7 +347,7 @@ class SubnetDataParallel(nn.Module):
             if "ensemble" in modes:
                 y = self.module(*inputs).float()
                 if self.world_size > 1 and not self.simulated:  # simulated: this rank's subnetwork alone
-                    dist.all_reduce(y, group=self.process_group)
+                    collectives.all_reduce(y, self.process_group, timeout=self.timeout)
                     y /= self.world_size
                 out["ensemble"] = y
             if "full" in modes:

@@ -9,12 +9,27 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 import traceback
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+class WorkerError(RuntimeError):
+    """A local worker failed; the message is its exception (type and text) and its rank."""
+
+
+def _clean_stop_types() -> tuple:
+    """Errors a run detects and stops on by design: reported in one line, no traceback."""
+    from .checkpoint import CheckpointError
+    from .collectives import CollectiveError
+    from .consistency import ConsistencyError
+    from .guard import TooManySkippedSteps
+
+    return TooManySkippedSteps, ConsistencyError, CollectiveError, CheckpointError
 
 
 def free_port() -> int:
@@ -49,8 +64,18 @@ def pick_backend(requested: str = "auto", device: str = "auto") -> tuple[str, to
 
 def init_distributed(backend: str, timeout_s: float = 300.0) -> None:
     """init_process_group from the environment, with a bounded timeout (no endless hangs)."""
-    if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    if dist.is_initialized():
+        return
+    timeout = datetime.timedelta(seconds=timeout_s)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None:
+        dist.init_process_group(backend=backend, timeout=timeout)
+        return
+    # Under torchrun the agent's store outlives a restart: without a per-attempt namespace a
+    # restarted rank can read the dead attempt's gloo addresses and fail to connect.
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    store = dist.PrefixStore(f"subnet_ext/attempt_{restart}", store)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 def _worker(local_rank: int, nproc: int, port: int, fn: Callable, args, threads: int) -> None:
@@ -62,6 +87,9 @@ def _worker(local_rank: int, nproc: int, port: int, fn: Callable, args, threads:
     torch.set_num_threads(threads)
     try:
         fn(args)
+    except _clean_stop_types() as e:
+        print(f"[rank {local_rank}] stopped: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        raise
     except BaseException:
         traceback.print_exc()
         raise
@@ -79,5 +107,10 @@ def spawn_local(fn: Callable, args, nproc: int) -> None:
     if nproc < 1:
         raise ValueError(f"--nproc must be at least 1, got {nproc}")
     threads = max(1, (os.cpu_count() or 1) // nproc)
-    mp.start_processes(_worker, args=(nproc, free_port(), fn, args, threads), nprocs=nproc, join=True,
-                       start_method="spawn")
+    try:
+        mp.start_processes(_worker, args=(nproc, free_port(), fn, args, threads), nprocs=nproc, join=True,
+                           start_method="spawn")
+    except mp.ProcessRaisedException as e:
+        # Its text is the worker's whole traceback; the last line is the exception itself.
+        lines = [line for line in str(e).strip().splitlines() if line.strip()]
+        raise WorkerError(f"worker {e.error_index} failed: {lines[-1] if lines else e}") from e

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from .plan_checks import check_plan_json
 from .units import UnitGroup, check_no_chained, find_blocks, find_neuron_groups, slice_numel
 
 LEVELS = ("block", "neuron")
@@ -247,9 +248,10 @@ class SubnetPlan:
     def from_json(text: str) -> "SubnetPlan":
         """Inverse of to_json; raises ValueError on anything malformed."""
         try:
+            if not isinstance(text, (str, bytes, bytearray)):
+                raise ValueError(f"a plan is read from JSON text, got {type(text).__name__}")
             d = json.loads(text)
-            if not isinstance(d, dict) or d.get("format") != "subnet_ext.plan/1":
-                raise ValueError("not a subnet_ext plan (missing format 'subnet_ext.plan/1')")
+            check_plan_json(d)  # types, ranges and cross-field consistency, before anything is built
             owners = torch.tensor(d["owners"], dtype=torch.uint8)
             if owners.dim() != 2 or not bool(((owners == 0) | (owners == 1)).all()):
                 raise ValueError("owners must be a 2-D matrix of 0/1")
@@ -264,7 +266,8 @@ class SubnetPlan:
             return plan
         except ValueError:
             raise
-        except (KeyError, TypeError, AttributeError, IndexError, RuntimeError, json.JSONDecodeError) as e:
+        except (KeyError, TypeError, AttributeError, IndexError, RuntimeError, OverflowError, RecursionError,
+                UnicodeDecodeError) as e:
             raise ValueError(f"malformed plan JSON: {type(e).__name__}: {e}") from None
 
     def __repr__(self):

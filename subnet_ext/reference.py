@@ -5,6 +5,7 @@ engine's semantics are defined by them. Half types are computed in fp32 and roun
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -108,7 +109,8 @@ def as_2d(t: torch.Tensor) -> torch.Tensor:
     """The [size(0), numel // size(0)] view packing uses ([n] → [n, 1], scalar → [1, 1])."""
     if t.dim() == 0:
         return t.reshape(1, 1)
-    return t.reshape(t.shape[0], -1) if t.dim() > 1 else t.reshape(-1, 1)
+    # Explicit column count: reshape(0, -1) is ambiguous for a tensor with no rows.
+    return t.reshape(t.shape[0], math.prod(t.shape[1:])) if t.dim() > 1 else t.reshape(-1, 1)
 
 
 def pack_segments(tensors, segments, buffer=None):

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .collectives import describe_group, wait
+
 FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
@@ -41,7 +43,8 @@ def assemble(engine, reduce: bool = True) -> dict:
             by_dtype.setdefault(t.dtype, []).append(name)
         for dtype, names in by_dtype.items():
             flat = torch.cat([out[n].reshape(-1) for n in names])
-            dist.all_reduce(flat, group=engine.process_group)
+            wait(dist.all_reduce(flat, group=engine.process_group, async_op=True), "all_reduce (full state)",
+                 describe_group(range(engine.world_size), engine.world_size), getattr(engine, "timeout", None))
             for n, part in zip(names, flat.split([out[n].numel() for n in names])):
                 out[n] = part.view(out[n].shape)
     return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -52,11 +53,21 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--nproc", type=int, default=None, help="start N local workers (not under torchrun)")
     run.add_argument("--backend", default="auto", help="auto (nccl on GPU, gloo on CPU) | gloo | nccl")
     run.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    run.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
+    run.add_argument("--timeout", type=float, default=300.0,
+                     help="seconds any collective may take before the run stops with an error naming it")
+    rel = p.add_argument_group("reliability")
+    rel.add_argument("--verify-every", type=int, default=0,
+                     help="every N steps, check that the owners of every unit hold identical values (0: never)")
+    rel.add_argument("--max-skipped", type=int, default=None,
+                     help="stop after more than K steps were skipped for inf/NaN gradients (default: never stop)")
     ck = p.add_argument_group("checkpoints and output")
     ck.add_argument("--save-dir", default=None)
     ck.add_argument("--save-every", type=int, default=0)
-    ck.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --save-dir")
+    ck.add_argument("--keep-last", type=int, default=3, help="keep the newest N checkpoints (default 3)")
+    ck.add_argument("--resume", nargs="?", const="latest", default=None, metavar="latest|auto|PATH",
+                    help="continue from the newest good checkpoint in --save-dir (latest, the default), from it "
+                         "if there is one (auto: otherwise start fresh; for torchrun --max-restarts), or from "
+                         "the checkpoint folder PATH")
     ck.add_argument("--out", default=None, help="folder for report.json, report.md and plots")
     ck.add_argument("--stop-after", type=int, default=0, help=argparse.SUPPRESS)  # interruption, for tests
     return p
@@ -66,20 +77,35 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Rejects values argparse's types cannot, with the value in the message."""
     if not 0.0 < args.coverage <= 1.0:
         p.error(f"--coverage must be in (0, 1], got {args.coverage}")
+    if not 0 <= args.seed < 2**31:
+        p.error(f"--seed must be in [0, 2**31), got {args.seed}")
     for name in ("steps", "batch_size", "seq_len", "sync_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    for name in ("eval_every", "save_every", "stop_after"):
+    for name in ("eval_every", "save_every", "stop_after", "verify_every"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    if not args.lr > 0:
-        p.error(f"--lr must be positive, got {args.lr}")
+    if not (args.lr > 0 and math.isfinite(args.lr)):
+        p.error(f"--lr must be positive and finite, got {args.lr}")
+    if not (args.weight_decay >= 0 and math.isfinite(args.weight_decay)):
+        p.error(f"--weight-decay must be >= 0 and finite, got {args.weight_decay}")
+    if args.width is not None and args.width < 1:
+        p.error(f"--width must be at least 1, got {args.width}")
+    _check_preset(p, args)
     if args.nproc is not None and args.nproc < 1:
         p.error(f"--nproc must be at least 1, got {args.nproc}")
-    if args.resume and not args.save_dir:
-        p.error("--resume needs --save-dir")
-    if args.timeout <= 0:
-        p.error(f"--timeout must be positive, got {args.timeout}")
+    if not (args.timeout > 0 and math.isfinite(args.timeout)):
+        p.error(f"--timeout must be a positive, finite number of seconds, got {args.timeout}")
+    if args.keep_last < 1:
+        p.error(f"--keep-last must be at least 1, got {args.keep_last}")
+    if args.max_skipped is not None and args.max_skipped < 0:
+        p.error(f"--max-skipped must be >= 0, got {args.max_skipped}")
+    if args.verify_every and args.method == "fsdp":
+        p.error("--verify-every needs replicated copies to compare (sdp or ddp); fsdp shards every parameter")
+    if args.verify_every and args.verify_every % args.sync_every:
+        p.error(f"--verify-every {args.verify_every} must be a multiple of --sync-every {args.sync_every}: owners "
+                "agree only right after the steps that average")
+    _check_checkpoint_args(p, args)
     if not args.bucket_cap_mb > 0:
         p.error(f"--bucket-cap-mb must be positive, got {args.bucket_cap_mb}")
     if (args.simulate_rank is None) != (args.world_size is None):
@@ -99,6 +125,31 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--data {args.data}: path {args.data.split(':', 1)[1]!r} does not exist")
 
 
+def _check_preset(p, args) -> None:
+    from .models.llama import LLAMA_PRESETS
+
+    if args.model == "llama" and args.preset not in (None, *LLAMA_PRESETS):
+        p.error(f"--preset {args.preset!r} is not a llama preset; choose one of {', '.join(LLAMA_PRESETS)}")
+    if args.model != "llama" and args.preset is not None:
+        p.error(f"--preset applies to --model llama only, got --preset {args.preset!r} with --model {args.model}")
+    if args.model == "llama" and args.width is not None:
+        p.error("--width does not apply to llama; pick a --preset instead")
+
+
+def _check_checkpoint_args(p, args) -> None:
+    from .checkpoint import list_checkpoints
+
+    if args.resume in ("latest", "auto") and not args.save_dir:
+        p.error(f"--resume needs --save-dir (--resume {args.resume} looks for checkpoints there)")
+    if args.resume not in (None, "latest", "auto") and not os.path.isdir(args.resume):
+        p.error(f"--resume {args.resume!r}: no such checkpoint folder (use latest, auto or a step-N folder)")
+    if args.save_dir and os.path.exists(args.save_dir) and not os.path.isdir(args.save_dir):
+        p.error(f"--save-dir {args.save_dir!r} exists and is not a folder")
+    if args.save_dir and not args.resume and list_checkpoints(args.save_dir):
+        p.error(f"--save-dir {args.save_dir!r} already holds checkpoints of a run; continue it with --resume "
+                "(or --resume auto), or choose another folder (checkpoints are never overwritten silently)")
+
+
 def run(args: argparse.Namespace) -> dict | None:
     """Runs one training job in this process tree; returns rank 0's report when local."""
     from .training.loop import run_worker
@@ -107,8 +158,9 @@ def run(args: argparse.Namespace) -> dict | None:
         return run_worker(args)
     nproc = args.nproc or 1
     if nproc == 1:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
+        env = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         try:
             return run_worker(args)
         finally:
@@ -116,6 +168,12 @@ def run(args: argparse.Namespace) -> dict | None:
 
             if dist.is_initialized():
                 dist.destroy_process_group()
+            # Restored, or a later run in this process would believe it runs under torchrun.
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
     if not args.out:  # the workers hand their report back through this folder
         import tempfile
 
@@ -138,8 +196,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
+    from .checkpoint import CheckpointError
+    from .collectives import CollectiveError
+    from .consistency import ConsistencyError
+    from .guard import TooManySkippedSteps
+    from .launch import WorkerError
+
     torchrun = under_torchrun()  # before run(): a one-process run sets the same variables itself
-    report = run(args)
+    try:
+        report = run(args)
+    except (TooManySkippedSteps, ConsistencyError, CollectiveError, CheckpointError, WorkerError) as e:
+        # Failures the run detected and stopped on cleanly: one message, no traceback.
+        print(f"subnet-train: stopped: {e}", file=sys.stderr)
+        return 1
     if report is not None and not torchrun:
         from .training.report import markdown_table
 

@@ -1,96 +1,180 @@
-"""Checkpoints of a training run, written atomically.
+"""Checkpoints of a `subnet-train` run: what is saved for each method, and resuming.
 
-Layout under save_dir:
-  step-000120/model.pt        full model state (original names and shapes), rank 0
-  step-000120/optim-rank3.pt  that rank's optimizer state and RNG state
-  step-000120/meta.json       step, world size, method, history
-  LATEST                      name of the newest complete checkpoint (written last)
+Layout (see subnet_ext/checkpoint.py for the atomic commit and the checks):
+  step-000120/state/           torch.distributed.checkpoint files, one per rank + .metadata
+  step-000120/manifest.json    step, run identity, plan, history, optimizer settings, each
+                               rank's RNG state, every file's size and SHA-256
+  step-000120/model.pt         the consolidated full model (final checkpoint only)
+  LATEST                       name of the newest committed checkpoint
 
-Every file goes to a temporary name, is fsynced, then renamed, and LATEST moves only
-after all ranks finished theirs: a crash mid-save leaves the previous checkpoint intact.
+SDP saves each piece of the parameters and of the optimizer state once, in the full
+model's coordinates (optim_state.py), so a run resumes on another world size, coverage,
+level or regime. DDP and FSDP save torch's own distributed state dicts
+(torch.distributed.checkpoint.state_dict), which DCP reshards to a new world size.
+A resume refuses a checkpoint of another model, data, method or seed.
 """
 from __future__ import annotations
 
-import json
-import os
+import base64
+import warnings
 
 import torch
 import torch.distributed as dist
 
-LATEST = "LATEST"
+from ..checkpoint import (CheckpointError, CheckpointWriteError, find_checkpoint, list_checkpoints,
+                          load_subnet_checkpoint, read_state, save_checkpoint, save_subnet_checkpoint, state_metadata)
+
+# What must match for a resume; SDP may change world size, coverage, level, regime and
+# sync period (the state is re-planned), DDP/FSDP the world size.
+FIXED = ("method", "model", "preset", "data", "width", "seed")
+RECORDED = FIXED + ("level", "regime", "coverage", "sync_every", "scale")
 
 
-def _atomic_write(path: str, write) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def identity(args) -> dict:
+    return {k: getattr(args, k, None) for k in RECORDED}
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
+# ----------------------------------------------------------------------------- RNG
+def _encode(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
+
+
+def _decode(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+
+
+def rng_state() -> dict:
+    out = {"cpu": _encode(torch.get_rng_state())}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = [_encode(s.cpu()) for s in torch.cuda.get_rng_state_all()]
+    return out
+
+
+def restore_rng(saved_ranks: list, rank: int, world: int, seed: int, step: int) -> None:
+    """This rank's saved RNG state when the world size is unchanged; otherwise a seed
+    derived from (seed, step, rank), so ranks still draw different streams."""
+    if len(saved_ranks) == world and saved_ranks[rank] and "cpu" in saved_ranks[rank]:
+        torch.set_rng_state(_decode(saved_ranks[rank]["cpu"]))
+        cuda = saved_ranks[rank].get("cuda")
+        if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all([_decode(s) for s in cuda])
+        return
+    torch.manual_seed((seed * 1_000_003 + step) * 4099 + rank)
+
+
+# ----------------------------------------------------------------------------- method state
+def _torch_state(method, optimizer):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(method.module, optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def _load_method_state(method, optimizer, folder: str, manifest: dict) -> None:
+    if method.name == "sdp":
+        load_subnet_checkpoint(folder, method.sdp, optimizer, verified_manifest=manifest)
+        return
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = _torch_state(method, optimizer)  # the structure to fill (initialises the optimizer state)
+    read_state(folder, state)
+    set_state_dict(method.module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+# ----------------------------------------------------------------------------- save / resume
+def save(save_dir: str, step: int, method, optimizer, history: dict, args, final: bool = False) -> str | None:
+    """Checkpoint the run (collective). A failed periodic save is a warning on every rank
+    (training goes on, the older checkpoints are intact); a failed final save raises."""
+    extra = None
+    if final:
+        full = method.full_state_dict()  # collective for SDP and FSDP
+        extra = {"model.pt": lambda f: torch.save(full, f)}
+    body = {"identity": identity(args), "world_size": dist.get_world_size(), "history": history}
+    per_rank = {"rng": rng_state()}
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        if method.name == "sdp":
+            return save_subnet_checkpoint(save_dir, step, method.sdp, optimizer, body, keep_last=args.keep_last,
+                                          extra_files=extra, per_rank=per_rank)
+        return save_checkpoint(save_dir, step, _torch_state(method, optimizer), body, keep_last=args.keep_last,
+                               extra_files=extra, per_rank=per_rank)
+    except CheckpointWriteError as e:
+        if final:
+            raise
+        warnings.warn(f"{e}; training continues and the next save will try again", RuntimeWarning, stacklevel=2)
+        return None
 
 
-def _identity(args) -> dict:
-    keys = ("method", "model", "preset", "data", "level", "regime", "coverage", "seed", "width")
-    return {k: getattr(args, k, None) for k in keys}
+def check_compatible(folder: str, manifest: dict, args) -> None:
+    saved = manifest.get("identity", {})
+    diffs = [f"{k} {saved.get(k)!r} vs {getattr(args, k, None)!r}" for k in FIXED
+             if saved.get(k) != getattr(args, k, None)]
+    if diffs:
+        raise CheckpointError(f"--resume: checkpoint {folder} belongs to another run ({'; '.join(diffs)}: checkpoint "
+                              "vs this run). Resume with the same settings, or use another --save-dir.")
 
 
-def save(save_dir: str, step: int, method, optimizer, history: dict, args) -> None:
-    """Collective: every rank writes its optimizer state; rank 0 the model and meta."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    name = f"step-{step:06d}"
-    folder = os.path.join(save_dir, name)
-    full = method.full_state_dict()  # collective for SDP and FSDP
-    if rank == 0:
-        os.makedirs(folder, exist_ok=True)
-    dist.barrier()
-    local = {"optimizer": optimizer.state_dict(), "rng": torch.get_rng_state()}
-    _atomic_write(os.path.join(folder, f"optim-rank{rank}.pt"), lambda f: torch.save(local, f))
-    if rank == 0:
-        _atomic_write(os.path.join(folder, "model.pt"), lambda f: torch.save(full, f))
-        meta = {"step": step, "world_size": world, "identity": _identity(args), "history": history}
-        _atomic_write(os.path.join(folder, "meta.json"), lambda f: f.write(json.dumps(meta).encode()))
-    dist.barrier()
-    if rank == 0:
-        _fsync_dir(folder)
-        _atomic_write(os.path.join(save_dir, LATEST), lambda f: f.write(name.encode()))
-        _fsync_dir(save_dir)
-    dist.barrier()
+def resume(args, method, optimizer) -> tuple[int, dict] | None:
+    """Load the checkpoint `--resume` names into method and optimizer; (step, history).
 
-
-def resume(save_dir: str, method, optimizer, args):
-    """Loads the newest checkpoint into method and optimizer; returns (step, history).
-
-    Raises:
-        FileNotFoundError: no complete checkpoint in save_dir.
-        ValueError: the checkpoint was made by a different run (method, model, plan
-            settings or world size).
+    --resume latest: the newest good checkpoint in --save-dir (an error if there is none);
+    --resume auto: the same, or None (start fresh) when --save-dir holds no checkpoint;
+    --resume PATH: that checkpoint folder. Bad newer checkpoints are skipped with a warning.
     """
-    if not save_dir:
-        raise ValueError("--resume needs --save-dir")
-    latest = os.path.join(save_dir, LATEST)
-    if not os.path.exists(latest):
-        raise FileNotFoundError(f"--resume: no complete checkpoint in {save_dir!r} (no {LATEST} file)")
-    with open(latest) as f:
-        folder = os.path.join(save_dir, f.read().strip())
-    with open(os.path.join(folder, "meta.json")) as f:
-        meta = json.load(f)
-    world = dist.get_world_size()
-    if meta["world_size"] != world or meta["identity"] != _identity(args):
-        raise ValueError(
-            f"--resume: checkpoint {folder!r} was made by world size {meta['world_size']} with {meta['identity']}, "
-            f"but this run is world size {world} with {_identity(args)}"
-        )
-    method.load_full_state_dict(torch.load(os.path.join(folder, "model.pt"), map_location="cpu"))
-    local = torch.load(os.path.join(folder, f"optim-rank{dist.get_rank()}.pt"), map_location="cpu",
-                       weights_only=False)
-    optimizer.load_state_dict(local["optimizer"])
-    torch.set_rng_state(local["rng"])
-    return meta["step"], meta["history"]
+    mode = args.resume
+    if mode in ("latest", "auto"):
+        if mode == "auto" and not list_checkpoints(args.save_dir):
+            return None
+        where = args.save_dir
+    else:
+        where = mode
+    folder, manifest, _ = find_checkpoint(where)
+    check_compatible(folder, manifest, args)
+    _load_method_state(method, optimizer, folder, manifest)
+    step = manifest["step"]
+    restore_rng([r["rng"] if r else None for r in manifest["ranks"]], dist.get_rank(), dist.get_world_size(),
+                args.seed, step)
+    history = manifest["history"]
+    history.setdefault("skipped", [])
+    return step, history
+
+
+def load_full_model_state(folder: str) -> dict:
+    """The full model's state dict (original names and shapes) from a checkpoint of any
+    method, in this process alone (no process group needed). Verifies the checksums."""
+    from ..checkpoint import verify_checkpoint
+
+    if dist.is_initialized():
+        raise RuntimeError("load_full_model_state reads a checkpoint in one process; call it outside a process group")
+    manifest = verify_checkpoint(folder)
+    available = state_metadata(folder)
+    if manifest.get("plan") is None:
+        request = {k[len("model."):]: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in available.items()
+                   if k.startswith("model.")}
+        read_state(folder, {"model": request})
+        return request
+    return _assemble_sdp(folder, manifest, available)
+
+
+def _assemble_sdp(folder, manifest, available) -> dict:
+    from ..optim_state import MODEL
+    from ..pieces import global_pieces
+    from ..plan import SubnetPlan
+    from ..slots import as_2d, full_rect, piece_key
+
+    plan = SubnetPlan.from_json(manifest["plan"])
+    out = {n: torch.zeros(shape, dtype=getattr(torch, plan.tensor_dtypes[n]))
+           for n, shape in plan.tensor_shapes.items()}
+    pieces = global_pieces(plan)
+    request = {MODEL + piece_key(p): torch.empty(available[MODEL + piece_key(p)][0], dtype=out[p.name].dtype)
+               for p in pieces}
+    request.update({MODEL + n: torch.empty(available[MODEL + n][0], dtype=out[n].dtype) for n in out
+                    if not plan.is_float(n)})
+    read_state(folder, request)
+    for p in pieces:
+        r0, r1, c0, c1 = full_rect(plan, p)
+        as_2d(out[p.name])[r0:r1, c0:c1].copy_(request[MODEL + piece_key(p)])
+    for n in out:
+        if not plan.is_float(n):
+            out[n].copy_(request[MODEL + n])
+    return out
+

@@ -3,11 +3,15 @@
 Every rank executes the same sequence of collectives; only rank 0 prints and writes
 the report. Batches depend only on (seed, step, rank), so a resumed run sees the
 batches the interrupted one would have seen.
+
+Reliability (README "Reliability"): a step whose gradients are not finite on some rank
+is skipped on every rank (`NonFiniteGuard`, `--max-skipped`); `--verify-every N` proves
+the owners agree; checkpoints are verified and atomic (`checkpointing`); every
+collective has a deadline (`--timeout`).
 """
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from argparse import Namespace
@@ -15,8 +19,10 @@ from argparse import Namespace
 import torch
 import torch.distributed as dist
 
+from ..guard import NonFiniteGuard
 from ..launch import init_distributed, pick_backend
 from . import checkpointing
+from .faults import Faults
 from .methods import ActivationMeter, DDPMethod, FSDPMethod, SDPMethod, peak_rss_bytes
 from .tasks import build_task
 
@@ -39,7 +45,8 @@ def make_method(args: Namespace, model, device):
     plan = plan_subnetworks(model, world_size=data_rank(args)[1], coverage=args.coverage, level=args.level,
                             seed=args.seed)
     return SDPMethod(model, plan, args.regime, args.sync_every, args.scale, bucket_cap_mb=bucket_cap_mb,
-                     overlap=not getattr(args, "no_overlap", False), simulate_rank=getattr(args, "simulate_rank", None))
+                     overlap=not getattr(args, "no_overlap", False), simulate_rank=getattr(args, "simulate_rank", None),
+                     timeout=args.timeout)
 
 
 @torch.no_grad()
@@ -68,26 +75,36 @@ def run_worker(args: Namespace) -> dict | None:
     method = make_method(args, model, device)
     optimizer = torch.optim.AdamW(method.parameters(), lr=args.lr, weight_decay=args.weight_decay)
 
-    start, history = 0, {"step": [], "loss": [], "eval": []}
+    start, history = 0, {"step": [], "loss": [], "eval": [], "skipped": []}
     if args.resume:
-        start, history = checkpointing.resume(args.save_dir, method, optimizer, args)
+        resumed = checkpointing.resume(args, method, optimizer)
+        if resumed is not None:
+            start, history = resumed
+    guard = NonFiniteGuard(args.max_skipped, timeout=args.timeout)
+    guard.skipped_steps = list(history["skipped"])
+    faults = Faults(rank)
     progress = _progress(rank, start, args.steps)
     step_times, memory, activation_bytes = [], None, None
     for step in range(start, args.steps):
+        faults.before_step(step + 1)
         x, y = task.batch(step, *data_rank(args))
         x, y = x.to(device), y.to(device)
         t0 = time.perf_counter()
-        meter = ActivationMeter() if memory is None else None
+        meter = ActivationMeter() if activation_bytes is None else None
         with meter if meter is not None else _nothing():
             loss = task.loss(method(x), y)
         loss.backward()
-        if memory is None:
+        if activation_bytes is None:
             activation_bytes = meter.bytes
-        optimizer.step()
-        if memory is None:
-            memory = method.memory(optimizer)  # grads still allocated: measured before zero_grad
+        faults.after_backward(step + 1, method.parameters())
+        # One all-reduced flag: every rank steps, or every rank skips (and zeroes its grads).
+        if guard.should_step(method.parameters(), step + 1):
+            optimizer.step()
+            if memory is None:
+                memory = method.memory(optimizer)  # grads still allocated: measured before zero_grad
+            method.after_step()
         optimizer.zero_grad(set_to_none=True)
-        method.after_step()
+        history["skipped"] = list(guard.skipped_steps)
         if device.type == "cuda":
             torch.cuda.synchronize()
         step_times.append(time.perf_counter() - t0)
@@ -95,18 +112,21 @@ def run_worker(args: Namespace) -> dict | None:
         history["loss"].append(loss.item())
         progress.update(1)
         progress.set_postfix(loss=f"{history['loss'][-1]:.4f}")
+        if args.verify_every and (step + 1) % args.verify_every == 0:
+            method.verify_consistency()
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
             history["eval"].append({"step": step + 1, **evaluate(method, task, device)})
-        if args.save_dir and args.save_every and (step + 1) % args.save_every == 0:
+        if args.save_dir and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
             checkpointing.save(args.save_dir, step + 1, method, optimizer, history, args)
         if args.stop_after and step + 1 - start >= args.stop_after:
             progress.close()
             return None  # a deliberate interruption, for resume tests
     progress.close()
     final = evaluate(method, task, device)
-    history["eval"].append({"step": args.steps, **final})
+    # A run resumed from its own final checkpoint (e.g. restarted after it) evaluates again: one entry.
+    history["eval"] = [e for e in history["eval"] if e["step"] != args.steps] + [{"step": args.steps, **final}]
     if args.save_dir:
-        checkpointing.save(args.save_dir, args.steps, method, optimizer, history, args)
+        checkpointing.save(args.save_dir, args.steps, method, optimizer, history, args, final=True)
     local = {
         "rank": rank,
         "memory": memory,
@@ -149,6 +169,7 @@ def _report(args, task, method, per_rank, comm, final, history, world):
         "throughput_per_s": samples / step_time if step_time > 0 else None,
         "throughput_unit": "tokens" if task.kind == "language" else "samples",
         "history": history,
+        "skipped_steps": len(history.get("skipped", [])),
     }
 
 

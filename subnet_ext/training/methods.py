@@ -5,11 +5,12 @@ collectives, activation bytes) so the report compares them side by side.
 from __future__ import annotations
 
 import resource
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from ..communicator import CommCounter
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -53,21 +54,11 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-@dataclass
-class CommCounter:
-    bytes: int = 0
-    collectives: int = 0
-    steps: int = 0
-    notes: list = field(default_factory=list)
-
-
 def _counting_allreduce_hook(counter: CommCounter):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     def hook(process_group, bucket):
-        buf = bucket.buffer()
-        counter.bytes += buf.numel() * buf.element_size()
-        counter.collectives += 1
+        counter.add("gradients", bucket.buffer())
         return default_hooks.allreduce_hook(process_group, bucket)
 
     return hook
@@ -110,6 +101,10 @@ class Method:
         """{"full": logits} (plus "ensemble" for SDP), identical on every rank."""
         raise NotImplementedError
 
+    def verify_consistency(self) -> None:
+        """Raise ConsistencyError unless the copies that must agree do (collective)."""
+        raise NotImplementedError(f"--verify-every is not available for --method {self.name}")
+
 
 class DDPMethod(Method):
     name = "ddp"
@@ -141,6 +136,11 @@ class DDPMethod(Method):
 
     def load_full_state_dict(self, sd):
         self.module.load_state_dict(sd)
+
+    def verify_consistency(self):
+        from ..consistency import verify_replicas
+
+        verify_replicas(self.module.state_dict())  # data parallelism: every rank is a replica
 
     @torch.no_grad()
     def eval_logits(self, x):
@@ -208,13 +208,13 @@ class SDPMethod(Method):
     name = "sdp"
 
     def __init__(self, model, plan, regime, sync_every, scale, process_group=None, bucket_cap_mb=25.0,
-                 overlap=True, simulate_rank=None):
+                 overlap=True, simulate_rank=None, timeout=None):
         from ..engine import SubnetDataParallel
 
         super().__init__(model)
         self.sdp = SubnetDataParallel(model, plan, regime=regime, sync_every=sync_every, scale=scale,
                                       process_group=process_group, bucket_cap_mb=bucket_cap_mb, overlap=overlap,
-                                      simulate_rank=simulate_rank)
+                                      simulate_rank=simulate_rank, timeout=timeout)
         self.plan = plan
 
     def __call__(self, x):
@@ -238,6 +238,9 @@ class SDPMethod(Method):
 
     def load_full_state_dict(self, sd):
         self.sdp.load_full_state_dict(sd)
+
+    def verify_consistency(self):
+        self.sdp.verify_consistency()
 
     @torch.no_grad()
     def eval_logits(self, x):

@@ -8,6 +8,10 @@ import json
 import os
 
 
+def _count(v):
+    return "n/a" if v is None else f"{v:.0f}"
+
+
 def _mib(b):
     return "n/a" if b is None else f"{b / 2**20:.3f}"
 
@@ -66,7 +70,7 @@ def markdown_table(reports: list[dict], baseline_label: str = "ddp") -> str:
             f"| {ratio('model_state_bytes_vs_base')} | {_mib(r['param_bytes'])} | {_mib(r['grad_bytes'])} "
             f"| {_mib(r['optim_bytes'])} | {_mib(r['activation_bytes'])} | {_mib(r['comm_bytes_per_step'])} "
             f"| {ratio('comm_bytes_per_step_vs_base')} | {r['collectives_per_step']:.1f} | {1e3 * r['step_time_s']:.2f} "
-            f"| {ratio('step_time_s_vs_base')} | {r['throughput']:.0f} |"
+            f"| {ratio('step_time_s_vs_base')} | {_count(r['throughput'])} |"
         )
     sources = sorted({summary_row(rep)["comm_source"] for rep in reports})
     lines.append("")

@@ -1,0 +1,108 @@
+"""Collectives that fail with a named error instead of hanging when a peer is gone.
+
+A gloo or NCCL collective whose peer died or never arrives blocks until the process
+group's timeout (30 minutes by default) and then fails with a message that names
+neither the operation nor the ranks. Here every collective the engine issues is
+started asynchronously and waited on with a deadline; on timeout or failure the error
+says which operation, on which group of ranks, and what to do.
+
+    work = dist.all_reduce(buffer, group=g, async_op=True)
+    wait(work, "all_reduce", "owner set (0, 2)", timeout=60.0)
+
+After a `CollectiveError` the process group is unusable (the peers disagree on what
+was exchanged): stop the job and restart it from the last checkpoint
+(`torchrun --max-restarts N ... --resume auto` does that by itself).
+"""
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+
+class CollectiveError(RuntimeError):
+    """A collective did not complete: timed out or failed because a peer is gone.
+
+    Attributes: operation ("all_reduce", ...), group (a description of its ranks),
+    timeout (seconds, or None for the process group's own timeout).
+    """
+
+    def __init__(self, operation: str, group: str, timeout: float | None, cause: BaseException):
+        self.operation, self.group, self.timeout = operation, group, timeout
+        timed_out = "timed out" in str(cause).lower() or "timeout" in str(cause).lower()
+        if timed_out:
+            limit = f"{timeout:g} s" if timeout is not None else "the process group's timeout"
+            what = f"did not complete within {limit}"
+        else:
+            what = f"failed ({type(cause).__name__}: {cause})"
+        super().__init__(
+            f"{operation} on {group} {what}. A rank of that group "
+            "is gone, stuck or issuing different collectives. Check the other ranks' logs; the process group cannot "
+            "be used any more, so restart the job from its last checkpoint (torchrun --max-restarts with "
+            "--resume auto does this), or raise the timeout if steps are legitimately this slow.")
+
+
+def as_timedelta(timeout: float | None) -> datetime.timedelta | None:
+    """Seconds -> timedelta (None stays None); rejects values that are not positive and finite."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        raise ValueError(f"a collective timeout must be a positive, finite number of seconds, got {timeout!r}")
+    return datetime.timedelta(seconds=float(timeout))
+
+
+def describe_group(ranks, world_size: int | None = None) -> str:
+    """'world (4 ranks)' or 'owner set (0, 2)': how errors name a group of plan ranks."""
+    ranks = tuple(int(r) for r in ranks)
+    if world_size is not None and len(ranks) == world_size:
+        return f"world ({world_size} ranks)"
+    return f"owner set {ranks}"
+
+
+def group_ranks(group=None) -> str:
+    """A description of a process group by its global ranks (the world when None)."""
+    if group is None or group == dist.group.WORLD:
+        return f"world ({dist.get_world_size()} ranks)"
+    return f"group of global ranks {tuple(dist.get_process_group_ranks(group))}"
+
+
+def wait(work, operation: str, group: str, timeout: float | None = None) -> None:
+    """Wait for an async collective; CollectiveError after `timeout` seconds or on failure.
+
+    Args:
+        work: what `dist.<collective>(..., async_op=True)` returned.
+        operation, group: how the error names the collective and its ranks.
+        timeout: seconds; None waits for the process group's own timeout.
+    """
+    try:
+        done = work.wait() if timeout is None else work.wait(as_timedelta(timeout))
+    except RuntimeError as e:  # DistBackendError and gloo's "Operation timed out!" are RuntimeErrors
+        raise CollectiveError(operation, group, timeout, e) from e
+    if done is False:  # some backends report a timeout by returning False
+        raise CollectiveError(operation, group, timeout, TimeoutError("wait returned False"))
+
+
+def all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM, timeout: float | None = None,
+               label: str | None = None) -> torch.Tensor:
+    """In-place all_reduce with a deadline; returns `tensor`."""
+    work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
+    wait(work, "all_reduce", label or group_ranks(group), timeout)
+    return tensor
+
+
+def broadcast(tensor: torch.Tensor, src: int, group=None, timeout: float | None = None,
+              label: str | None = None) -> torch.Tensor:
+    """In-place broadcast from global rank `src` with a deadline; returns `tensor`."""
+    work = dist.broadcast(tensor, src=src, group=group, async_op=True)
+    wait(work, "broadcast", label or group_ranks(group), timeout)
+    return tensor
+
+
+def all_gather(tensor: torch.Tensor, group=None, timeout: float | None = None, label: str | None = None
+               ) -> torch.Tensor:
+    """[group size, *tensor.shape]: every rank's `tensor`, with a deadline."""
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    work = dist.all_gather(parts, tensor.contiguous(), group=group, async_op=True)
+    wait(work, "all_gather", label or group_ranks(group), timeout)
+    return torch.stack(parts)

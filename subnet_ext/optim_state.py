@@ -1,0 +1,311 @@
+"""Parameters and optimizer state in the full model's coordinates: saved by one plan,
+loaded by any other (world size, coverage, level, regime).
+
+Two forms:
+- *full* (`full_optimizer_state_dict`): {"state": {original name: {"exp_avg": tensor of
+  the original shape, ..., "step": 0-d tensor}}, "param_groups": [hyperparameters]},
+  identical on every rank — the optimizer's counterpart of `full_state_dict()`;
+- *sharded* (`sharded_state_dict`): each piece saved once, by its leader, under
+  "model/<piece key>" and "optim/<state key>/<piece key>" as [rows, cols] tensors of its
+  full rectangle — what torch.distributed.checkpoint writes, each rank its own pieces.
+  `load_sharded_state_dict` takes the plan that saved them and reads, for each piece
+  this rank now holds, the saved pieces overlapping it (slots.py).
+
+Optimizer state: a tensor entry shaped like its parameter (exp_avg, exp_avg_sq,
+momentum_buffer, ...) is sliced like the parameter; a 0-d entry (Adam's step) is kept
+per piece and restored as the largest over the overlapping saved pieces (all equal when
+every parameter steps together). A parameter without state (never stepped) is saved
+as zeros with step 0, which is exactly Adam's lazily initialised state.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import collectives
+from .pieces import global_pieces
+from .slots import area, as_2d, copy_overlaps, full_rect, model_slots, optimizer_slots, overlapping, piece_key
+
+MODEL, OPTIM = "model/", "optim/"
+
+
+# ----------------------------------------------------------------------------- helpers
+def state_kinds(optimizer, params) -> dict:
+    """{state key: "tensor" | "scalar"} over the state of `params` (this rank only)."""
+    kinds = {}
+    for p in params:
+        for key, value in optimizer.state.get(p, {}).items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                if tuple(value.shape) != tuple(p.shape):
+                    raise ValueError(f"optimizer state {key!r} has shape {tuple(value.shape)} but its parameter "
+                                     f"{tuple(p.shape)}; only per-element and scalar state can be re-planned")
+                kinds[key] = "tensor"
+            elif torch.is_tensor(value) or isinstance(value, (int, float)):
+                kinds[key] = "scalar"
+            else:
+                raise ValueError(f"optimizer state {key!r} is a {type(value).__name__}; only tensors and numbers "
+                                 "can be saved in full-model coordinates")
+    return kinds
+
+
+def _all_kinds(optimizer, params, group, timeout) -> dict:
+    kinds = state_kinds(optimizer, params)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, kinds, group=group)
+        for k in everyone:
+            kinds.update(k)
+    return dict(sorted(kinds.items()))
+
+
+def _scalar(value) -> torch.Tensor:
+    return value.detach().cpu().clone() if torch.is_tensor(value) else torch.tensor(float(value))
+
+
+def hyperparameters(optimizer) -> list[dict]:
+    """The param groups' settings without the parameters, as plain JSON-able values."""
+    out = []
+    for g in optimizer.param_groups:
+        d = {}
+        for k, v in g.items():
+            if k == "params":
+                continue
+            if torch.is_tensor(v):
+                v = v.item()
+            d[k] = list(v) if isinstance(v, tuple) else v
+        out.append(d)
+    return out
+
+
+def load_hyperparameters(optimizer, groups) -> None:
+    """Restores the settings of `hyperparameters()` when the number of groups matches."""
+    if not groups or len(groups) != len(optimizer.param_groups):
+        return
+    for g, saved in zip(optimizer.param_groups, groups):
+        for k, v in saved.items():
+            if k not in g:
+                continue
+            if torch.is_tensor(g[k]):
+                g[k].fill_(v)  # a tensor lr stays a tensor (capturable/compiled optimizers)
+            else:
+                g[k] = tuple(v) if isinstance(g[k], tuple) else v
+
+
+def _new_state(optimizer, param, kinds: dict, step_dtype=torch.float32) -> dict:
+    group = next(g for g in optimizer.param_groups if any(q is param for q in g["params"]))
+    on_device = group.get("capturable", False) or group.get("fused", False)
+    state = {}
+    for key, kind in kinds.items():
+        if kind == "tensor":
+            state[key] = torch.zeros_like(param, memory_format=torch.contiguous_format)
+        else:
+            state[key] = torch.zeros((), dtype=step_dtype, device=param.device if on_device else "cpu")
+    return state
+
+
+def _ensure_state(optimizer, slots, kinds) -> None:
+    """Every slot's parameter gets state with every key (contiguous tensors, to be filled)."""
+    for s in slots:
+        state = optimizer.state.get(s.param)
+        if not state:
+            optimizer.state[s.param] = _new_state(optimizer, s.param, kinds)
+            continue
+        for key, kind in kinds.items():
+            if key not in state:
+                state.update({key: _new_state(optimizer, s.param, {key: kind})[key]})
+            elif kind == "tensor" and not state[key].is_contiguous():
+                state[key] = state[key].contiguous()
+
+
+# ----------------------------------------------------------------------------- full form
+def full_optimizer_state_dict(engine, optimizer) -> dict:
+    """{"state": {name: {key: full tensor or 0-d}}, "param_groups": [...]}, identical on every rank.
+
+    Collective over the engine's group: the leader of each piece writes it into zeros and
+    one all-reduce per dtype sums them (bit-exact, like full_state_dict); scalars are
+    reduced with MAX. Every float parameter of the plan has an entry (zeros where no rank
+    has state for it); buffers have none."""
+    slots = optimizer_slots(engine, optimizer)
+    kinds = _all_kinds(optimizer, [s.param for s in slots], engine.process_group, engine.timeout)
+    names = [n for n in engine.plan.tensor_shapes if n in engine.plan.param_names and engine.plan.is_float(n)]
+    tensors, scalars = {}, {}
+    for key, kind in kinds.items():
+        for n in names:
+            if kind == "tensor":
+                dtype = getattr(torch, engine.plan.tensor_dtypes[n])
+                tensors[(key, n)] = torch.zeros(engine.plan.tensor_shapes[n], dtype=dtype, device=engine.device)
+            else:
+                scalars[(key, n)] = 0.0
+    with torch.no_grad():
+        for s in slots:
+            state = optimizer.state.get(s.param, {})
+            for key, kind in kinds.items():
+                if key not in state:
+                    continue
+                if kind == "scalar":
+                    scalars[(key, s.piece.name)] = max(scalars[(key, s.piece.name)], float(_scalar(state[key])))
+                elif s.piece.leader == engine.rank:
+                    r0, r1, c0, c1 = s.full
+                    l0, _, m0, _ = s.local
+                    as_2d(tensors[(key, s.piece.name)])[r0:r1, c0:c1].copy_(
+                        as_2d(state[key])[l0:l0 + r1 - r0, m0:m0 + c1 - c0])
+    if engine.world_size > 1 and dist.is_initialized():
+        by_dtype = {}
+        for k, t in tensors.items():
+            by_dtype.setdefault(t.dtype, []).append(k)
+        for keys in by_dtype.values():
+            flat = torch.cat([tensors[k].reshape(-1) for k in keys])
+            collectives.all_reduce(flat, engine.process_group, timeout=engine.timeout)
+            for k, part in zip(keys, flat.split([tensors[k].numel() for k in keys])):
+                tensors[k] = part.view(tensors[k].shape)
+        if scalars:
+            keys = list(scalars)
+            flat = torch.tensor([scalars[k] for k in keys], dtype=torch.float64)
+            collectives.all_reduce(flat, engine.process_group, op=dist.ReduceOp.MAX, timeout=engine.timeout)
+            scalars = dict(zip(keys, flat.tolist()))
+    state = {n: {} for n in names}
+    for (key, n), t in tensors.items():
+        state[n][key] = t
+    for (key, n), v in scalars.items():
+        state[n][key] = torch.tensor(v, dtype=torch.float32)
+    return {"state": state if kinds else {}, "param_groups": hyperparameters(optimizer)}
+
+
+def load_full_optimizer_state_dict(engine, optimizer, full: dict) -> None:
+    """Give this rank's optimizer its share of a `full_optimizer_state_dict()` (any plan's).
+
+    Not collective. Raises ValueError when an entry is missing or mis-shaped."""
+    if not isinstance(full, dict) or not isinstance(full.get("state"), dict):
+        raise ValueError("load_full_optimizer_state_dict needs {'state': {name: {key: tensor}}, 'param_groups': ...}")
+    slots = optimizer_slots(engine, optimizer)
+    kinds = {}
+    for entries in full["state"].values():
+        for key, value in entries.items():
+            kinds[key] = "tensor" if torch.is_tensor(value) and value.dim() > 0 else "scalar"
+    _ensure_state(optimizer, slots, kinds)
+    with torch.no_grad():
+        for s in slots:
+            entries = full["state"].get(s.piece.name)
+            if entries is None:
+                raise ValueError(f"the optimizer state has no entry for {s.piece.name!r}")
+            for key, kind in kinds.items():
+                value = entries.get(key)
+                if value is None:
+                    raise ValueError(f"the optimizer state of {s.piece.name!r} lacks {key!r}")
+                if kind == "scalar":
+                    optimizer.state[s.param][key].fill_(float(_scalar(value)))
+                    continue
+                shape = engine.plan.tensor_shapes[s.piece.name]
+                if tuple(value.shape) != tuple(shape):
+                    raise ValueError(f"optimizer state {key!r} of {s.piece.name!r} has shape {tuple(value.shape)}, "
+                                     f"the model {shape}")
+                src = as_2d(value.to(engine.device).contiguous())
+                whole = (0, src.shape[0], 0, src.shape[1])
+                copy_overlaps(optimizer.state[s.param][key], s.local, s.full, [(whole, src)])
+    load_hyperparameters(optimizer, full.get("param_groups"))
+
+
+# ----------------------------------------------------------------------------- sharded form
+def sharded_state_dict(engine, optimizer=None) -> tuple[dict, dict]:
+    """(tensors, info): the pieces this rank leads, keyed for torch.distributed.checkpoint.
+
+    tensors: {"model/<piece key>": [rows, cols] values, "model/<name>": integer entries
+    (e.g. num_batches_tracked, whole), "optim/<state key>/<piece key>": state}.
+    info: {"optimizer_state": {state key: kind}} (the same on every rank). Collective when
+    an optimizer is given (the state keys are agreed on)."""
+    out = {}
+    for s in model_slots(engine):
+        if s.piece.leader == engine.rank:
+            out[MODEL + piece_key(s.piece)] = s.read()
+    for name, leader in engine.integer_entries.items():
+        if leader == engine.rank:
+            out[MODEL + name] = engine.value_of(name).detach().clone()
+    kinds = {}
+    if optimizer is not None:
+        slots = optimizer_slots(engine, optimizer)
+        kinds = _all_kinds(optimizer, [s.param for s in slots], engine.process_group, engine.timeout)
+        for s in slots:
+            if s.piece.leader != engine.rank:
+                continue
+            state = optimizer.state.get(s.param, {})
+            for key, kind in kinds.items():
+                name = f"{OPTIM}{key}/{piece_key(s.piece)}"
+                if kind == "scalar":
+                    out[name] = _scalar(state[key]) if key in state else torch.tensor(0.0)
+                elif key in state:
+                    r0, r1, c0, c1 = s.local
+                    out[name] = as_2d(state[key].contiguous())[r0:r1, c0:c1].detach().clone()
+                else:
+                    out[name] = torch.zeros(s.full[1] - s.full[0], s.full[3] - s.full[2], dtype=s.param.dtype,
+                                            device=s.param.device)
+    return out, {"optimizer_state": kinds}
+
+
+def load_sharded_state_dict(engine, optimizer, saved_plan, info: dict, available: dict, read) -> None:
+    """Load the pieces a `sharded_state_dict()` of `saved_plan` saved into this rank's tensors
+    and (when `optimizer` is given and state was saved) its optimizer state.
+
+    Args:
+        saved_plan: the SubnetPlan that saved them (same model; any world size/coverage/level).
+        info: the `info` returned at save time.
+        available: {key: (shape, dtype)} of what the checkpoint holds (its metadata).
+        read: read(request) fills the dict {key: preallocated tensor} in place; collective
+            (torch.distributed.checkpoint.load), so every rank calls this function.
+    Raises:
+        ValueError: another model, or a checkpoint that lacks a piece this plan needs.
+    """
+    if saved_plan.fingerprint != engine.plan.fingerprint or saved_plan.tensor_shapes != engine.plan.tensor_shapes:
+        raise ValueError(f"the checkpoint was saved for another model (structure fingerprint "
+                         f"{saved_plan.fingerprint}, this model {engine.plan.fingerprint})")
+    saved = {}
+    for p in global_pieces(saved_plan):
+        saved.setdefault(p.name, []).append((full_rect(saved_plan, p), piece_key(p), p.is_param))
+    request = {}
+
+    def want(key):
+        if key not in available:
+            raise ValueError(f"the checkpoint lacks {key!r}, which its own plan says it saved: it is incomplete "
+                             "or was written by another version")
+        shape, dtype = available[key]
+        request[key] = torch.empty(shape, dtype=dtype)
+
+    targets = []  # (slot, key prefix, tensor to fill)
+    for s in model_slots(engine):
+        for _, key, _ in overlapping(s.full, saved[s.piece.name]):
+            want(MODEL + key)
+        targets.append((s, MODEL, s.tensor))
+    integer = [n for n in engine.integer_entries if engine.holds_whole(n)]
+    for n in integer:
+        want(MODEL + n)
+    kinds = info.get("optimizer_state", {}) if optimizer is not None else {}
+    optim_slots = optimizer_slots(engine, optimizer) if kinds else []
+    if kinds:
+        _ensure_state(optimizer, optim_slots, kinds)
+        for s in optim_slots:
+            for _, key, _ in overlapping(s.full, saved[s.piece.name]):
+                for k in kinds:
+                    want(f"{OPTIM}{k}/{key}")
+    read(request)
+    with torch.no_grad():
+        for s, prefix, dst in targets:
+            sources = [(rect, as_2d(request[prefix + key]).to(dst.device))
+                       for rect, key, _ in overlapping(s.full, saved[s.piece.name])]
+            _check_covered(s, copy_overlaps(dst, s.local, s.full, sources))
+        for n in integer:
+            engine.value_of(n).copy_(request[MODEL + n])
+        for s in optim_slots:
+            parts = overlapping(s.full, saved[s.piece.name])
+            state = optimizer.state[s.param]
+            for k, kind in kinds.items():
+                if kind == "scalar":
+                    state[k].fill_(max(float(request[f"{OPTIM}{k}/{key}"]) for _, key, _ in parts))
+                    continue
+                sources = [(rect, as_2d(request[f"{OPTIM}{k}/{key}"]).to(s.param.device)) for rect, key, _ in parts]
+                _check_covered(s, copy_overlaps(state[k], s.local, s.full, sources))
+
+
+def _check_covered(slot, written: int) -> None:
+    if written != area(slot.full):
+        raise ValueError(f"the checkpoint covers {written} of the {area(slot.full)} elements of "
+                         f"{slot.piece.name!r} this rank needs (rectangle {slot.full}): its pieces do not tile "
+                         "the tensor; it is corrupt or from another model")

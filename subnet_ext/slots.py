@@ -1,0 +1,119 @@
+"""Where each piece of the full model lives on this rank, and copies between coordinates.
+
+Every value SDP holds — a parameter slice or the optimizer state of one — is addressed
+two ways:
+- *full coordinates*: (state-dict name, rectangle of the original tensor's 2-D view
+  [size(0), numel // size(0)]), the same for every plan;
+- *local coordinates*: a rectangle of a contiguous local tensor's 2-D view (a compact
+  tensor in the forward regime, a full tensor or an owned-slice parameter otherwise).
+
+A `Slot` pairs the two for one piece. Re-planning (another world size, coverage, level
+or regime) is then a copy of rectangle overlaps: `copy_overlaps` writes into a slot
+whatever parts of some source rectangles (saved pieces of another plan, or whole
+tensors) overlap it, and counts the elements written so gaps are caught.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .pieces import Piece, rectangle
+
+Rect = tuple  # (row_begin, row_end, col_begin, col_end)
+
+
+def as_2d(t: torch.Tensor) -> torch.Tensor:
+    """The [size(0), numel // size(0)] *view* of a contiguous tensor (scalar -> [1, 1])."""
+    if not t.is_contiguous():
+        raise ValueError(f"expected a contiguous tensor, got shape {tuple(t.shape)} strides {t.stride()}")
+    if t.dim() == 0:
+        return t.view(1, 1)
+    return t.view(t.shape[0], -1) if t.dim() > 1 else t.view(-1, 1)
+
+
+def area(rect: Rect) -> int:
+    return (rect[1] - rect[0]) * (rect[3] - rect[2])
+
+
+@dataclass(frozen=True, eq=False)
+class Slot:
+    """One piece on this rank: `tensor` (contiguous) holds it at `local`; `full` is where it
+    sits in the original tensor. `param` is the optimizer's parameter for it (None for
+    model-value slots)."""
+
+    piece: Piece
+    tensor: torch.Tensor
+    local: Rect
+    full: Rect
+    param: torch.nn.Parameter | None = None
+
+    def read(self) -> torch.Tensor:
+        """A contiguous copy of the piece, shape [rows, cols] of its full rectangle."""
+        r0, r1, c0, c1 = self.local
+        return as_2d(self.tensor)[r0:r1, c0:c1].detach().clone()
+
+
+def full_rect(plan, piece: Piece) -> Rect:
+    return rectangle(plan.tensor_shapes[piece.name], piece.dim, piece.start, piece.length)
+
+
+def piece_key(piece: Piece) -> str:
+    """A name for a piece that is unique within one plan: 'blocks.0.fc1.weight|0:32:16'."""
+    return f"{piece.name}|{piece.dim}:{piece.start}:{piece.length}"
+
+
+def model_slots(engine) -> list[Slot]:
+    """Every piece whose value this rank holds (the owned ones in the forward regime; all of
+    them in the backward regime, where every rank keeps full copies)."""
+    out = []
+    for p, start in engine.local_start.items():
+        t = engine.value_of(p.name)
+        out.append(Slot(p, t, rectangle(t.shape, p.dim, start, p.length), full_rect(engine.plan, p)))
+    return out
+
+
+def optimizer_slots(engine, optimizer) -> list[Slot]:
+    """Every owned parameter piece the optimizer updates, with the parameter it lives in."""
+    in_optimizer = {id(q) for g in optimizer.param_groups for q in g["params"]}
+    out = []
+    for p in engine.pieces:
+        if not p.is_param or engine.rank not in p.owners:
+            continue
+        # Backward regime, neuron level: the optimizer's parameter is the owned slice itself.
+        own = engine._piece_params.get(p)
+        if own is not None:
+            param, local = own, rectangle(own.shape, p.dim, 0, p.length)
+        else:
+            param = engine.value_of(p.name)
+            local = rectangle(param.shape, p.dim, engine.local_start[p], p.length)
+        if id(param) in in_optimizer:
+            out.append(Slot(p, param, local, full_rect(engine.plan, p), param))
+    return out
+
+
+def copy_overlaps(dst: torch.Tensor, local: Rect, full: Rect, sources) -> int:
+    """Writes into `dst` (its 2-D view, at `local`) every part of `sources` overlapping
+    `full`; returns the number of elements written.
+
+    Args:
+        dst: a contiguous tensor. local, full: the slot's rectangles (same extent).
+        sources: iterable of (rect in full coordinates, 2-D tensor of that rect's extent).
+    """
+    view = as_2d(dst)
+    written = 0
+    for rect, src in sources:
+        r0, r1 = max(full[0], rect[0]), min(full[1], rect[1])
+        c0, c1 = max(full[2], rect[2]), min(full[3], rect[3])
+        if r0 >= r1 or c0 >= c1:
+            continue
+        view[r0 - full[0] + local[0]: r1 - full[0] + local[0], c0 - full[2] + local[2]: c1 - full[2] + local[2]] \
+            .copy_(src[r0 - rect[0]: r1 - rect[0], c0 - rect[2]: c1 - rect[2]])
+        written += (r1 - r0) * (c1 - c0)
+    return written
+
+
+def overlapping(full: Rect, rects) -> list:
+    """The entries (rect, *rest) of `rects` whose rectangle overlaps `full`."""
+    return [e for e in rects if max(full[0], e[0][0]) < min(full[1], e[0][1])
+            and max(full[2], e[0][2]) < min(full[3], e[0][3])]

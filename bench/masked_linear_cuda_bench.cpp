@@ -34,13 +34,7 @@ int main() {
   const auto idx_opt = at::TensorOptions().device(at::kCUDA).dtype(at::kLong);
   Tensor x = at::randn({B, I}, opt), w = at::randn({O, I}, opt) * 0.02, b = at::randn({O}, opt);
   Tensor gy_full = at::randn({B, O}, opt);
-  Tensor y, gx, gw, gb;
-  auto dense_fn = [&] {
-    y = at::addmm(b, x, w.t());
-    gx = gy_full.mm(w);
-    gw = gy_full.t().mm(x);
-    gb = gy_full.sum(0);
-  };
+  auto dense_fn = [&] { bench::dense_forward_backward(x, w, b, gy_full); };
   const double dense_flops = 3.0 * 2.0 * B * I * O;
   std::printf("| shape | dtype | f | ours ms | composed ms | ideal ms | TFLOP/s | %% of dense GEMM rate "
               "| speedup vs composed | %% of ideal | max rel err vs composed |\n");

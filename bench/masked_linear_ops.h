@@ -34,6 +34,12 @@ inline const auto& backward_op() {
   return op;
 }
 
+// Dense forward + backward of the full layer (the ideal's yardstick): y, grad_x, grad_W, grad_b.
+inline std::array<at::Tensor, 4> dense_forward_backward(const at::Tensor& x, const at::Tensor& w,
+                                                        const at::Tensor& b, const at::Tensor& grad_y) {
+  return {at::addmm(b, x, w.t()), grad_y.mm(w), grad_y.t().mm(x), grad_y.sum(0)};
+}
+
 // round(n * f) (at least one) distinct indices of [0, n), sorted, with `options`' device.
 inline at::Tensor kept_indices(int64_t n, double f, const at::TensorOptions& options = at::kLong) {
   const int64_t k = std::max<int64_t>(1, static_cast<int64_t>(n * f + 0.5));

@@ -3,15 +3,17 @@
     plan = plan_subnetworks(model, world_size=K, coverage=0.5, level="block")
     sdp = SubnetDataParallel(model, plan, regime="forward")
     opt = torch.optim.AdamW(sdp.parameters(), lr=3e-4)
-    loss_fn(sdp(x), y).backward()     # gradients averaged among owners at the end
+    loss_fn(sdp(x), y).backward()     # gradients averaged among owners during the backward
     opt.step(); opt.zero_grad()       # (backward regime: other ranks' copies refreshed)
 
-Synchronisation points: with sync_every=1 the gradients are averaged when backward
-finishes (a callback queued on the autograd engine by the first gradient hook). After
-each optimizer step over these parameters (a global optimizer step hook) the engine
-counts the step, averages parameters every `sync_every` steps when sync_every > 1, and
-in the backward regime refreshes the copies of units this rank does not own. All of
-these issue collectives in one global order, so they cannot deadlock.
+Synchronisation points: with sync_every=1 the gradients are averaged in buckets
+(averaging.py): each bucket's all-reduce is issued from the gradient hooks once its
+gradients are ready, and a callback queued on the autograd engine by the first hook
+issues the rest, waits and unpacks when the backward ends. After each optimizer step
+over these parameters (a global optimizer step hook) the engine counts the step,
+averages parameters every `sync_every` steps when sync_every > 1, and in the backward
+regime refreshes the copies of units this rank does not own. All of these issue
+collectives in one global order, so they cannot deadlock.
 """
 from __future__ import annotations
 
@@ -49,6 +51,23 @@ def _meta_skeleton(model: nn.Module) -> nn.Module:
             if b is not None and n not in m._non_persistent_buffers_set:
                 memo[id(b)] = torch.empty_like(b, device="meta")
     return copy.deepcopy(model, memo)
+
+
+def _world_and_rank(plan: SubnetPlan, process_group, simulate_rank) -> tuple[int, int]:
+    """(world size, rank) this engine runs as: the simulated rank, the group's, or (1, 0)."""
+    if simulate_rank is not None:
+        if process_group is not None:
+            raise ValueError("simulate_rank runs one rank alone; it takes no process_group")
+        if not isinstance(simulate_rank, int) or isinstance(simulate_rank, bool) or \
+                not 0 <= simulate_rank < plan.world_size:
+            raise ValueError(f"simulate_rank must be a rank of the plan's world size {plan.world_size}, "
+                             f"got {simulate_rank!r}")
+        return plan.world_size, simulate_rank
+    if dist.is_initialized():
+        return dist.get_world_size(process_group), dist.get_rank(process_group)
+    if process_group is not None:
+        raise ValueError("a process_group was given but torch.distributed is not initialised")
+    return 1, 0
 
 
 class SubnetDataParallel(nn.Module):
@@ -96,21 +115,7 @@ class SubnetDataParallel(nn.Module):
         if not (isinstance(bucket_cap_mb, (int, float)) and 0 < bucket_cap_mb < float("inf")):
             raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
         self.simulated = simulate_rank is not None
-        if self.simulated:
-            if process_group is not None:
-                raise ValueError("simulate_rank runs one rank alone; it takes no process_group")
-            if not isinstance(simulate_rank, int) or isinstance(simulate_rank, bool) or \
-                    not 0 <= simulate_rank < plan.world_size:
-                raise ValueError(f"simulate_rank must be a rank of the plan's world size {plan.world_size}, "
-                                 f"got {simulate_rank!r}")
-            self.world_size, self.rank = plan.world_size, simulate_rank
-        elif dist.is_initialized():
-            self.world_size = dist.get_world_size(process_group)
-            self.rank = dist.get_rank(process_group)
-        else:
-            if process_group is not None:
-                raise ValueError("a process_group was given but torch.distributed is not initialised")
-            self.world_size, self.rank = 1, 0
+        self.world_size, self.rank = _world_and_rank(plan, process_group, simulate_rank)
         if plan.world_size != self.world_size:
             raise ValueError(f"the plan was made for world size {plan.world_size}, but the process group has "
                              f"{self.world_size} ranks; make the plan with world_size={self.world_size}")
@@ -138,16 +143,7 @@ class SubnetDataParallel(nn.Module):
         self.local_start = local_starts(self.pieces, self.rank, compact=regime == "forward")
         self.integer_entries = self._integer_entries()
 
-        self.bucket_cap_bytes = bucket_cap_mb * 2**20
-        self.strategy, self.strategy_costs = choose_strategy(plan, strategy, latency_bytes, self.bucket_cap_bytes)
-        self.counter = CommCounter()
-        self.buckets = build_buckets(plan, self.pieces, self.strategy, self.bucket_cap_bytes)
-        owner_sets = [b.owners for b in self.buckets] + [p.owners for p in self.pieces]
-        self._comm = SimulatedCommunicator(self.world_size, self.rank, self.counter) if self.simulated else \
-            Communicator(owner_sets, self.world_size, self.rank, process_group, self.counter, timeout)
-        self._averager = BucketedAverager(self.buckets, self.rank, self._comm, self.device,
-                                          {"gradients": self._resolve_grad, "parameters": self._resolve_value},
-                                          overlap=overlap)
+        self._setup_communication(strategy, latency_bytes, bucket_cap_mb * 2**20, overlap, timeout)
         self._trainable = [p for p in model.parameters() if p.requires_grad]
         self._trainable_ids = {id(p) for p in self._trainable}
         self._pieces_of_param = self._map_pieces_to_parameters()
@@ -164,6 +160,19 @@ class SubnetDataParallel(nn.Module):
         for p in self._trainable:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
         self._hooks.append(register_optimizer_step_post_hook(self._on_optimizer_step))
+
+    def _setup_communication(self, strategy, latency_bytes, bucket_cap_bytes, overlap, timeout) -> None:
+        """Strategy (cost model), bucket layout, process groups (or their simulation), averager."""
+        self.bucket_cap_bytes = bucket_cap_bytes
+        self.strategy, self.strategy_costs = choose_strategy(self.plan, strategy, latency_bytes, bucket_cap_bytes)
+        self.counter = CommCounter()
+        self.buckets = build_buckets(self.plan, self.pieces, self.strategy, bucket_cap_bytes)
+        owner_sets = [b.owners for b in self.buckets] + [p.owners for p in self.pieces]
+        self._comm = SimulatedCommunicator(self.world_size, self.rank, self.counter) if self.simulated else \
+            Communicator(owner_sets, self.world_size, self.rank, self.process_group, self.counter, timeout)
+        self._averager = BucketedAverager(self.buckets, self.rank, self._comm, self.device,
+                                          {"gradients": self._resolve_grad, "parameters": self._resolve_value},
+                                          overlap=overlap)
 
     # ------------------------------------------------------------------ lookup
     def value_of(self, name: str) -> torch.Tensor:

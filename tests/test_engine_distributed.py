@@ -11,28 +11,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import subnet_ext as sx
-from subnet_ext.models import ResidualMLP
+from sdp_helpers import batch, make_model, train
 from subnet_ext.testing import run_distributed
 
-IN, CLASSES = 12, 5
-
-
-def make_model(width=16, seed=0):
-    torch.manual_seed(seed)
-    return ResidualMLP(in_features=IN, num_classes=CLASSES, width=width, depth=4, hidden=32)
-
-
-def batch(rank, step, n=8):
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(n, IN, generator=g), torch.randint(0, CLASSES, (n,), generator=g)
-
-
-def train(sdp, opt, rank, steps, start=0):
-    for s in range(start, start + steps):
-        x, y = batch(rank, s)
-        F.cross_entropy(sdp(x), y).backward()
-        opt.step()
-        opt.zero_grad()
 
 
 def gather(obj):

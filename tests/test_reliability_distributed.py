@@ -17,25 +17,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import subnet_ext as sx
+from sdp_helpers import batch, make_model, train
 from subnet_ext.checkpoint import load_subnet_checkpoint, save_subnet_checkpoint
 from subnet_ext.collectives import CollectiveError
 from subnet_ext.consistency import ConsistencyError, describe_piece
 from subnet_ext.guard import NonFiniteGuard, TooManySkippedSteps
-from subnet_ext.models import ResidualMLP
 from subnet_ext.state import _narrow
 
-IN, CLASSES = 12, 5
 TIMEOUT_S = 3.0
-
-
-def make_model():
-    torch.manual_seed(0)
-    return ResidualMLP(in_features=IN, num_classes=CLASSES, width=16, depth=4, hidden=32)
-
-
-def batch(rank, step, n=8):
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(n, IN, generator=g), torch.randint(0, CLASSES, (n,), generator=g)
 
 
 def build(world, coverage, level, regime, group=None, **kw):
@@ -43,14 +32,6 @@ def build(world, coverage, level, regime, group=None, **kw):
     plan = sx.plan_subnetworks(model, world, coverage, level)
     sdp = sx.SubnetDataParallel(model, plan, regime=regime, process_group=group, **kw)
     return sdp, torch.optim.AdamW(sdp.parameters(), lr=1e-2)
-
-
-def train(sdp, opt, rank, steps, start=0):
-    for s in range(start, start + steps):
-        x, y = batch(rank, s)
-        F.cross_entropy(sdp(x), y).backward()
-        opt.step()
-        opt.zero_grad()
 
 
 def snapshot(sdp, opt):

@@ -54,14 +54,23 @@ void pack_segment_range(const SegmentDesc& s, const T* tensor, T* buffer, int64_
   }
 }
 
+// dst[i] = src[i] * scale for i < n, computed in Acc (one contiguous run of an unpack).
 template <typename T, typename Acc>
-void unpack_segment_range(const SegmentDesc& s, T* tensor, const T* buffer, int64_t begin, int64_t end) {
+struct ScaleRun {
+  void operator()(const T* src, T* dst, int64_t n, Acc scale) const {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(static_cast<Acc>(src[i]) * scale);
+  }
+};
+
+// scale_run(src, dst, n, scale) does the arithmetic of each run: a device may pass a
+// faster one (the CPU kernel passes loops compiled for several vector ISAs).
+template <typename T, typename Acc, typename Run = ScaleRun<T, Acc>>
+void unpack_segment_range(const SegmentDesc& s, T* tensor, const T* buffer, int64_t begin, int64_t end,
+                          const Run& scale_run = Run{}) {
   const Acc scale = static_cast<Acc>(s.scale);
   for (int64_t e = begin; e < end;) {
     const int64_t run = segment_contiguous_run(s, e, end);
-    const T* src = buffer + s.offset + e;
-    T* dst = tensor + segment_tensor_offset(s, e);
-    for (int64_t i = 0; i < run; ++i) dst[i] = static_cast<T>(static_cast<Acc>(src[i]) * scale);
+    scale_run(buffer + s.offset + e, tensor + segment_tensor_offset(s, e), run, scale);
     e += run;
   }
 }

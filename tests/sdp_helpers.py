@@ -1,0 +1,29 @@
+"""A small model, per-rank batches and a training loop shared by the engine's
+multi-process tests (importable in the spawned workers: they inherit sys.path)."""
+import torch
+import torch.nn.functional as F
+
+from subnet_ext.models import ResidualMLP
+
+IN, CLASSES = 12, 5
+
+
+def make_model(width=16, seed=0):
+    """ResidualMLP [*, 12] -> [*, 5]; the same weights for the same seed on every rank."""
+    torch.manual_seed(seed)
+    return ResidualMLP(in_features=IN, num_classes=CLASSES, width=width, depth=4, hidden=32)
+
+
+def batch(rank, step, n=8):
+    """(x [n, 12], y [n]) for this rank and step, the same in every process."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(n, IN, generator=g), torch.randint(0, CLASSES, (n,), generator=g)
+
+
+def train(sdp, opt, rank, steps, start=0):
+    """`steps` optimizer steps of cross-entropy on this rank's batches from step `start`."""
+    for s in range(start, start + steps):
+        x, y = batch(rank, s)
+        F.cross_entropy(sdp(x), y).backward()
+        opt.step()
+        opt.zero_grad()

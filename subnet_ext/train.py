@@ -121,6 +121,9 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         if args.save_dir:
             p.error("--simulate-rank holds one rank's share of the model, so it cannot write checkpoints; "
                     "drop --save-dir")
+        if args.verify_every:
+            p.error("--verify-every compares the owners' copies, but --simulate-rank runs one rank alone; "
+                    "drop --verify-every")
     if args.data.startswith(("cifar:", "tokens:")) and not os.path.exists(args.data.split(":", 1)[1]):
         p.error(f"--data {args.data}: path {args.data.split(':', 1)[1]!r} does not exist")
 

@@ -76,6 +76,13 @@ BAD_ARGS = [
     (["--data", "tokens:/nonexistent/x.bin", "--model", "llama"], "does not exist"),
     (["--method", "zero"], "invalid choice"),
     (["--level", "layer"], "invalid choice"),
+    (["--bucket-cap-mb", "0"], "--bucket-cap-mb must be positive"),
+    (["--simulate-rank", "1"], "--simulate-rank R and --world-size K go together"),
+    (["--simulate-rank", "4", "--world-size", "4"], "--simulate-rank must be in [0, --world-size)"),
+    (["--simulate-rank", "0", "--world-size", "4", "--method", "ddp"], "--simulate-rank applies to --method sdp"),
+    (["--simulate-rank", "0", "--world-size", "4", "--nproc", "2"], "--simulate-rank runs one process"),
+    (["--simulate-rank", "0", "--world-size", "4", "--save-dir", "x"], "cannot write checkpoints"),
+    (["--simulate-rank", "0", "--world-size", "4", "--verify-every", "2"], "drop --verify-every"),
 ]
 
 
@@ -105,3 +112,15 @@ def test_console_entry_point_runs_as_module(tmp_path):
     out = subprocess.run([sys.executable, "-m", "subnet_ext.train", "--help"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and "--coverage" in out.stdout
+
+
+def test_simulated_rank_end_to_end(tmp_path):
+    """Rank 1 of a 4-rank SDP job in this one process: its batches, its subnetwork's
+    evaluation, and the bytes its collectives would have handed over."""
+    out = tmp_path / "sim"
+    assert main(["--model", "mlp", "--data", "digits", "--steps", "4", "--batch-size", "16", "--simulate-rank", "1",
+                 "--world-size", "4", "--level", "neuron", "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["simulated"] == {"rank": 1, "world_size": 4}
+    assert set(report["final"]) == {"subnetwork"}
+    assert report["comm"]["simulated"] and report["comm"]["bytes_per_step"] == report["comm"]["predicted_per_sync"]["bytes"]

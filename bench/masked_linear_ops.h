@@ -40,6 +40,18 @@ inline std::array<at::Tensor, 4> dense_forward_backward(const at::Tensor& x, con
   return {at::addmm(b, x, w.t()), grad_y.mm(w), grad_y.t().mm(x), grad_y.sum(0)};
 }
 
+// The composed baseline: gather the operands once (index_select), three GEMMs, scatter
+// grad_x back into a zero full-width tensor. Returns y, grad_x, grad_W (kept block), grad_b.
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> composed_forward_backward(
+    const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const at::Tensor& grad_y, const at::Tensor& out_idx,
+    const at::Tensor& in_idx) {
+  const at::Tensor xs = x.index_select(1, in_idx);
+  const at::Tensor ws = w.index_select(0, out_idx).index_select(1, in_idx);
+  return {at::addmm(b.index_select(0, out_idx), xs, ws.t()),
+          at::zeros({x.size(0), x.size(1)}, x.options()).index_copy_(1, in_idx, grad_y.mm(ws)),
+          grad_y.t().mm(xs), grad_y.sum(0)};
+}
+
 // round(n * f) (at least one) distinct indices of [0, n), sorted, with `options`' device.
 inline at::Tensor kept_indices(int64_t n, double f, const at::TensorOptions& options = at::kLong) {
   const int64_t k = std::max<int64_t>(1, static_cast<int64_t>(n * f + 0.5));

@@ -18,6 +18,7 @@ collectives in one global order, so they cannot deadlock.
 from __future__ import annotations
 
 import copy
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -68,6 +69,18 @@ def _world_and_rank(plan: SubnetPlan, process_group, simulate_rank) -> tuple[int
     if process_group is not None:
         raise ValueError("a process_group was given but torch.distributed is not initialised")
     return 1, 0
+
+
+def _weak_call(engine_ref, fn):
+    """A hook calling fn(engine, *args) while the engine lives, and nothing after."""
+
+    def hook(*args):
+        engine = engine_ref()
+        if engine is not None:
+            return fn(engine, *args)
+        return None
+
+    return hook
 
 
 class SubnetDataParallel(nn.Module):
@@ -151,15 +164,25 @@ class SubnetDataParallel(nn.Module):
         self.direct_gradient_runs = 0
         if regime == "backward" and sync_every == 1:
             self.direct_gradient_runs = attach_direct_gradients(
-                model, self._piece_params, self._averager.direct_gradient_view, lambda p: self._pieces_ready((p,)))
+                model, self._piece_params, self._averager.direct_gradient_view,
+                _weak_call(weakref.ref(self), lambda engine, piece: engine._pieces_ready((piece,))))
             # Their readiness comes from the kernel's call, not from the (empty) accumulate hook.
             for direct in {p for s in self._averager.states for p in s.direct}:
                 del self._pieces_of_param[id(self._piece_params[direct])]
         self._queued = False
         self.optimizer_steps = 0
         for p in self._trainable:
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
-        self._hooks.append(register_optimizer_step_post_hook(self._on_optimizer_step))
+            self._hooks.append(p.register_post_accumulate_grad_hook(
+                _weak_call(weakref.ref(self), SubnetDataParallel._on_grad_ready)))
+        # Hooks hold the engine weakly. The optimizer-hook registry is global, and a tensor's
+        # hooks are kept from C++, where Python's garbage collector cannot see the cycle
+        # parameter -> hook -> engine -> module -> parameter: strong references would keep
+        # every engine, and the process groups it holds, alive until the interpreter shuts
+        # down, when destroying a gloo group can abort the process.
+        step_hook = register_optimizer_step_post_hook(
+            _weak_call(weakref.ref(self), SubnetDataParallel._on_optimizer_step))
+        weakref.finalize(self, step_hook.remove)
+        self._hooks.append(step_hook)
 
     def _setup_communication(self, strategy, latency_bytes, bucket_cap_bytes, overlap, timeout) -> None:
         """Strategy (cost model), bucket layout, process groups (or their simulation), averager."""

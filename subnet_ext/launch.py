@@ -7,11 +7,12 @@ rendezvous on 127.0.0.1 at a free port, each with one thread per core share.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import socket
 import sys
 import traceback
-from typing import Callable
+from typing import Callable, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -78,6 +79,29 @@ def init_distributed(backend: str, timeout_s: float = 300.0) -> None:
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
+def shutdown_distributed() -> None:
+    """destroy_process_group, after freeing what still references the groups (engines in
+    reference cycles): a gloo group destroyed later, during interpreter shutdown, can
+    abort the process ("terminate called without an active exception")."""
+    if dist.is_initialized():
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def exit_worker(code: int = 0) -> NoReturn:
+    """End a worker process now, skipping the interpreter's teardown.
+
+    A gloo process group that something still references (torch DDP holds its own) is
+    destroyed only during teardown, where its worker thread may release the last work
+    object and touch Python objects the finalising interpreter no longer serves: the
+    process then aborts ("terminate called without an active exception") after a run that
+    succeeded. Workers have written everything they produce, so they leave directly.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _worker(local_rank: int, nproc: int, port: int, fn: Callable, args, threads: int) -> None:
     os.environ.update(
         RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nproc),
@@ -94,8 +118,8 @@ def _worker(local_rank: int, nproc: int, port: int, fn: Callable, args, threads:
         traceback.print_exc()
         raise
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown_distributed()
+    exit_worker(0)
 
 
 def spawn_local(fn: Callable, args, nproc: int) -> None:

@@ -58,7 +58,12 @@ def _distributed_entry(rank, world_size, port, fn, args, queue):
 
         queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
-        dist.destroy_process_group()
+        from .launch import exit_worker, shutdown_distributed
+
+        shutdown_distributed()
+        queue.close()
+        queue.join_thread()  # the result is in the pipe before the process ends
+    exit_worker(0)  # the outcome travels in the queue
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 180.0) -> list:

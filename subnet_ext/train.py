@@ -12,7 +12,7 @@ import math
 import os
 import sys
 
-from .launch import free_port, spawn_local, under_torchrun
+from .launch import exit_worker, free_port, shutdown_distributed, spawn_local, under_torchrun
 
 METHODS = ("ddp", "fsdp", "sdp")
 MODELS = ("mlp", "resnet", "llama")
@@ -158,7 +158,10 @@ def run(args: argparse.Namespace) -> dict | None:
     from .training.loop import run_worker
 
     if under_torchrun():
-        return run_worker(args)
+        try:
+            return run_worker(args)
+        finally:
+            shutdown_distributed()
     nproc = args.nproc or 1
     if nproc == 1:
         env = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
@@ -167,10 +170,7 @@ def run(args: argparse.Namespace) -> dict | None:
         try:
             return run_worker(args)
         finally:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            shutdown_distributed()
             # Restored, or a later run in this process would believe it runs under torchrun.
             for k, v in saved.items():
                 if v is None:
@@ -211,8 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     except (TooManySkippedSteps, ConsistencyError, CollectiveError, CheckpointError, WorkerError) as e:
         # Failures the run detected and stopped on cleanly: one message, no traceback.
         print(f"subnet-train: stopped: {e}", file=sys.stderr)
+        if torchrun:
+            exit_worker(1)
         return 1
-    if report is not None and not torchrun:
+    if torchrun:
+        exit_worker(0)  # this process is one of torchrun's workers: see launch.exit_worker
+    if report is not None:
         from .training.report import markdown_table
 
         print(markdown_table([report], baseline_label=report["label"]))

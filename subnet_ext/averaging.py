@@ -165,31 +165,47 @@ class BucketedAverager:
         self._issued.append((s, kind, self.comm.all_reduce(buffer, s.bucket.owners, kind)))
 
 
-def refresh_copies(pieces: list[Piece], rank: int, world_size: int, resolve: Resolver, comm: Communicator,
-                   kind: str = "refresh") -> None:
-    """Backward regime: each leader (lowest owner) broadcasts the pieces it leads that some
-    rank lacks; the ranks that do not own a piece overwrite their copy (exact, scale 1).
-    Simulated: the leader's packing and the bytes are kept, the copies are left as they are."""
-    if world_size == 1:
-        return
-    for leader in range(world_size):
-        led = [p for p in pieces if p.owners[0] == leader and len(p.owners) < world_size]
-        by_dtype = {}
-        for p in led:
-            tensor, rect = resolve(p)
-            by_dtype.setdefault(tensor.dtype, []).append((p, tensor, rect))
-        for items in by_dtype.values():
-            tensors, index, rects = [], {}, []
-            for p, t, rect in items:
-                if id(t) not in index:
-                    index[id(t)] = len(tensors)
-                    tensors.append(t)
-                rects.append((index[id(t)], *rect))
-            table, total = ops.segment_table(rects)
+class CopyRefresher:
+    """Backward regime: after each optimizer step, each leader (lowest owner) broadcasts the
+    pieces it leads that some rank lacks, and the ranks that do not own a piece overwrite
+    their copy (exact, scale 1). One broadcast per (leader, dtype), in leader order; the
+    layout is static, so it is built once. Simulated: the leader's packing and the bytes
+    are kept, the copies are left as they are.
+
+    Buffers are allocated per call, not kept: they hold every unit some rank lacks, which in
+    the backward regime (full parameters on every rank) would be a second copy of most of
+    the model.
+    """
+
+    def __init__(self, pieces: list[Piece], rank: int, world_size: int, resolve: Resolver, comm: Communicator,
+                 kind: str = "refresh"):
+        self.rank, self.resolve, self.comm, self.kind = rank, resolve, comm, kind
+        self.broadcasts = []  # (leader, representative piece per tensor slot, table, rows to copy, total)
+        if world_size == 1:
+            return
+        for leader in range(world_size):
+            by_dtype = {}
+            for p in pieces:
+                if p.owners[0] == leader and len(p.owners) < world_size:
+                    tensor, rect = resolve(p)
+                    by_dtype.setdefault(tensor.dtype, []).append((p, tensor, rect))
+            for items in by_dtype.values():
+                slots, index, rects = [], {}, []
+                for p, t, rect in items:
+                    if id(t) not in index:
+                        index[id(t)] = len(slots)
+                        slots.append(p)
+                    rects.append((index[id(t)], *rect))
+                table, total = ops.segment_table(rects)
+                keep = [i for i, (p, _, _) in enumerate(items) if rank not in p.owners]
+                self.broadcasts.append((leader, slots, table, table[keep], total))
+
+    def __call__(self) -> None:
+        for leader, slots, table, keep_table, total in self.broadcasts:
+            tensors = [self.resolve(p)[0] for p in slots]
             buffer = torch.empty(total, dtype=tensors[0].dtype, device=tensors[0].device)
-            if rank == leader:
+            if self.rank == leader:
                 ops.pack_segments(tensors, table, buffer)
-            comm.broadcast(buffer, leader, kind)
-            keep = [i for i, (p, _, _) in enumerate(items) if rank not in p.owners]
-            if keep and not comm.simulated:
-                ops.unpack_average_(tensors, table[keep], buffer, torch.ones(len(keep), dtype=torch.float32))
+            self.comm.broadcast(buffer, leader, self.kind)
+            if len(keep_table) and not self.comm.simulated:
+                ops.unpack_average_(tensors, keep_table, buffer, torch.ones(len(keep_table), dtype=torch.float32))

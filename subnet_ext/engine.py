@@ -26,7 +26,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from .averaging import BucketedAverager, refresh_copies
+from .averaging import BucketedAverager, CopyRefresher
 from .buckets import DEFAULT_BUCKET_CAP_MB, build_buckets
 from .communicator import CommCounter, Communicator, SimulatedCommunicator
 from . import collectives, consistency, guard, optim_state
@@ -190,12 +190,14 @@ class SubnetDataParallel(nn.Module):
         self.strategy, self.strategy_costs = choose_strategy(self.plan, strategy, latency_bytes, bucket_cap_bytes)
         self.counter = CommCounter()
         self.buckets = build_buckets(self.plan, self.pieces, self.strategy, bucket_cap_bytes)
-        owner_sets = [b.owners for b in self.buckets] + [p.owners for p in self.pieces]
+        owner_sets = [b.owners for b in self.buckets]  # the groups averaging uses; the refresh uses the world
         self._comm = SimulatedCommunicator(self.world_size, self.rank, self.counter) if self.simulated else \
             Communicator(owner_sets, self.world_size, self.rank, self.process_group, self.counter, timeout)
         self._averager = BucketedAverager(self.buckets, self.rank, self._comm, self.device,
                                           {"gradients": self._resolve_grad, "parameters": self._resolve_value},
                                           overlap=overlap)
+        self._refresh = CopyRefresher(self.pieces, self.rank, self.world_size, self._resolve_value, self._comm) \
+            if self.regime == "backward" else None
 
     # ------------------------------------------------------------------ lookup
     def value_of(self, name: str) -> torch.Tensor:
@@ -310,7 +312,7 @@ class SubnetDataParallel(nn.Module):
             if self.sync_every > 1 and self.optimizer_steps % self.sync_every == 0:
                 self._averager.average_now("parameters")
             if self.regime == "backward":
-                refresh_copies(self.pieces, self.rank, self.world_size, self._resolve_value, self._comm)
+                self._refresh()
 
     # ------------------------------------------------------------------ public API
     def forward(self, *args, **kwargs):

@@ -78,14 +78,7 @@ def _assert_usable(plan):
 def test_plan_json_structural_mutations(which, data, action, value):
     doc = json.loads(which)
     path = data.draw(st.sampled_from(list(_paths(doc))))
-    text = json.dumps(_mutate(doc, path, action, value))
-    try:
-        plan = sx.SubnetPlan.from_json(text)
-    except ValueError:
-        event("clear error")
-        return
-    event("parsed, checked usable")
-    _assert_usable(plan)
+    _parse_or_check_usable(json.dumps(_mutate(doc, path, action, value)))
 
 
 @FUZZ
@@ -93,7 +86,11 @@ def test_plan_json_structural_mutations(which, data, action, value):
 @example(which=PLANS[0], cut=0, junk="[" * 5000, how=2)  # nesting deep enough for RecursionError
 def test_plan_json_text_mutations(which, cut, junk, how):
     cut %= len(which) + 1
-    text = [which[:cut], which[:cut] + junk + which[cut + 1:], junk][how]
+    _parse_or_check_usable([which[:cut], which[:cut] + junk + which[cut + 1:], junk][how])
+
+
+def _parse_or_check_usable(text):
+    """A clear ValueError, or a plan that is whole and usable."""
     try:
         plan = sx.SubnetPlan.from_json(text)
     except ValueError:

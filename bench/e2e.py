@@ -17,6 +17,7 @@ Everything printed is measured in this run; the Markdown goes to --out.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import statistics
@@ -41,7 +42,9 @@ class Config:
     overlap: bool = True
     simulate: bool = False  # every rank simulates itself: no communication at all
     bucket_cap_mb: float = 25.0
-    steps: int = 6
+    steps: int = 6  # at least this many timed steps ...
+    min_seconds: float = 3.0  # ... and at least this long (up to max_steps)
+    max_steps: int = 60
     warmup: int = 2
     batch_size: int = 8
     seq_len: int = 64
@@ -87,10 +90,13 @@ def measure(rank: int, world: int, cfg: Config) -> dict:
     optimizer = torch.optim.AdamW(method.parameters(), lr=1e-3)
     source = SyntheticTokens(LLAMA_PRESETS[cfg.model].vocab_size, cfg.seq_len, seed=0)
     gen = torch.Generator().manual_seed(1000 + rank)
-    batches = [source.batch(cfg.batch_size, gen) for _ in range(cfg.warmup + cfg.steps)]
-    memory, ends = None, []
-    dist.barrier()
-    for x, y in batches:
+    pool = [source.batch(cfg.batch_size, gen) for _ in range(8)]  # made before timing, reused in turn
+    memory, taken = None, 0
+
+    def train_step():
+        nonlocal memory, taken
+        x, y = pool[taken % len(pool)]
+        taken += 1
         logits = method(x)
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
         loss.backward()
@@ -99,10 +105,24 @@ def measure(rank: int, world: int, cfg: Config) -> dict:
             memory = method.memory(optimizer)  # gradients still allocated
         optimizer.zero_grad(set_to_none=True)
         method.after_step()
+        return loss
+
+    dist.barrier()
+    for _ in range(cfg.warmup):
+        start = time.perf_counter()
+        train_step()
+        warm = torch.tensor([time.perf_counter() - start])
+    # Enough timed steps for at least min_seconds (short steps are noisy on a shared
+    # machine); every rank takes the same count from the slowest rank's warm-up step.
+    dist.all_reduce(warm, op=dist.ReduceOp.MAX)
+    timed = int(min(cfg.max_steps, max(cfg.steps, math.ceil(cfg.min_seconds / warm.item()))))
+    ends = [time.perf_counter()]
+    for _ in range(timed):
+        loss = train_step()
         ends.append(time.perf_counter())
     comm = method.comm()
-    steady = [b - a for a, b in zip(ends[cfg.warmup:], ends[cfg.warmup + 1:])] or [ends[-1] - ends[0]]
-    return {"step_s": statistics.median(steady), "model_state": memory["model_state"],
+    steady = [b - a for a, b in zip(ends, ends[1:])]
+    return {"step_s": statistics.median(steady), "timed_steps": timed, "model_state": memory["model_state"],
             "peak_growth": _rss_bytes("VmHWM") - rss_before, "comm_bytes": comm["bytes_per_step"],
             "collectives": comm["collectives_per_step"], "loss": loss.item()}
 
@@ -133,8 +153,9 @@ def grid(opts) -> list[Config]:
     configs = []
     for model in opts.models:
         for world in opts.worlds:
-            base = dict(model=model, world=world, steps=opts.steps, warmup=opts.warmup,
-                        batch_size=opts.batch_size, seq_len=opts.seq_len, bucket_cap_mb=opts.bucket_cap_mb)
+            base = dict(model=model, world=world, steps=opts.steps, min_seconds=opts.min_seconds,
+                        warmup=opts.warmup, batch_size=opts.batch_size, seq_len=opts.seq_len,
+                        bucket_cap_mb=opts.bucket_cap_mb)
             configs.append(Config(method="ddp", **base))
             configs.append(Config(method="fsdp", **base))
             for level, regime in SDP_VARIANTS:
@@ -187,7 +208,8 @@ def growth_tables(results: list[tuple[Config, dict]], models, worlds) -> list[st
 def overlap_experiment(opts) -> tuple[list[str], dict]:
     """SDP with overlap on / off / no communication at all, on a setting with heavy traffic."""
     base = dict(model=opts.overlap_model, world=2, method="sdp", level="block", regime="forward", coverage=1.0,
-                steps=opts.steps, warmup=opts.warmup, batch_size=opts.overlap_batch_size, seq_len=opts.seq_len,
+                steps=opts.steps, min_seconds=opts.min_seconds, warmup=opts.warmup,
+                batch_size=opts.overlap_batch_size, seq_len=opts.seq_len,
                 bucket_cap_mb=opts.overlap_bucket_cap_mb)
     runs = {"overlap": Config(**base), "no overlap": Config(**base, overlap=False),
             "no communication": Config(**base, simulate=True)}
@@ -241,7 +263,9 @@ def parse(argv=None):
     p.add_argument("--models", default="tiny,small,medium", help="llama presets, comma-separated")
     p.add_argument("--worlds", default="2,4", help="world sizes, comma-separated")
     p.add_argument("--coverages", default="0.25,0.5,1.0")
-    p.add_argument("--steps", type=int, default=6, help="timed steps per configuration")
+    p.add_argument("--steps", type=int, default=6, help="at least this many timed steps per configuration")
+    p.add_argument("--min-seconds", type=float, default=3.0,
+                   help="and at least this many seconds of timed steps (at most 60 steps)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=8, help="sequences per rank")
     p.add_argument("--seq-len", type=int, default=64)
@@ -274,8 +298,9 @@ def main(argv=None) -> int:
         f"wall time {time.time() - started:.0f} s.",
         f"Machine: {os.cpu_count()} cores, {platform.processor() or platform.machine()}, torch {torch.__version__}; "
         f"each rank one process with one thread, gloo on 127.0.0.1. Per rank: batch {opts.batch_size} × "
-        f"{opts.seq_len} tokens of synthetic Markov text, AdamW; {opts.warmup} warm-up + {opts.steps} timed steps, "
-        f"median step time of the slowest rank; DDP and SDP buckets {opts.bucket_cap_mb:g} MiB.",
+        f"{opts.seq_len} tokens of synthetic Markov text, AdamW; {opts.warmup} warm-up steps, then at least "
+        f"{opts.steps} timed steps and {opts.min_seconds:g} s (at most 60 steps); median step time of the slowest "
+        f"rank; DDP and SDP buckets {opts.bucket_cap_mb:g} MiB.",
         "Model state: parameters + gradients + optimizer state held by the worst rank (tensor accounting). "
         "Peak RSS growth: the worst rank's resident-memory high-water mark minus its resident memory before the "
         "model was built. Comm: bytes handed to collectives per step (DDP: counted in a comm hook; SDP: counted "

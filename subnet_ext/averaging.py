@@ -100,6 +100,10 @@ class BucketedAverager:
     def buffer_bytes(self) -> int:
         return sum(s.buffer.numel() * s.buffer.element_size() for s in self.states if s.buffer is not None)
 
+    def buffer_storages(self) -> set:
+        """Data pointers of the allocated bucket buffers' storages."""
+        return {s.buffer.untyped_storage().data_ptr() for s in self.states if s.buffer is not None}
+
     def direct_gradient_view(self, piece: Piece, numel: int) -> torch.Tensor | None:
         """A 1-D view of `piece`'s place in its bucket buffer, for a kernel to write the
         gradient into directly (the piece is then neither packed nor unpacked; its view is

@@ -17,6 +17,7 @@ collectives in one global order, so they cannot deadlock.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import weakref
 
@@ -170,6 +171,7 @@ class SubnetDataParallel(nn.Module):
             for direct in {p for s in self._averager.states for p in s.direct}:
                 del self._pieces_of_param[id(self._piece_params[direct])]
         self._queued = False
+        self._sync_grads = True  # False inside no_sync()
         self.optimizer_steps = 0
         for p in self._trainable:
             self._hooks.append(p.register_post_accumulate_grad_hook(
@@ -285,8 +287,8 @@ class SubnetDataParallel(nn.Module):
 
     def _pieces_ready(self, pieces) -> None:
         """The gradients of these held pieces are final for this backward."""
-        if self.sync_every != 1:
-            return  # local SGD: parameters are averaged after optimizer steps instead
+        if self.sync_every != 1 or not self._sync_grads:
+            return  # local SGD (parameters are averaged after optimizer steps instead), or no_sync()
         if not self._queued:
             self._queued = True
             self._averager.start_backward()
@@ -317,6 +319,25 @@ class SubnetDataParallel(nn.Module):
     # ------------------------------------------------------------------ public API
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradient accumulation without communication, as torch DDP's `no_sync()`.
+
+        Backward passes run inside the context only accumulate into `.grad`; the first
+        backward after it averages the accumulated sum among owners as usual:
+
+            with sdp.no_sync():
+                loss_fn(sdp(x0), y0).backward()
+            loss_fn(sdp(x1), y1).backward()   # averages grad(x0) + grad(x1)
+            optimizer.step()
+        """
+        previous = self._sync_grads
+        self._sync_grads = False
+        try:
+            yield
+        finally:
+            self._sync_grads = previous
 
     def parameters(self, recurse: bool = True):
         """What the optimizer must update: this rank's owned (and shared) parameters."""
@@ -417,7 +438,10 @@ class SubnetDataParallel(nn.Module):
         """Bytes this rank holds: parameters, gradients, optimizer state, buffers.
 
         Shared storage (owned views of full tensors) counts once. `model_state` =
-        parameters + gradients + optimizer state."""
+        parameters + gradients + optimizer state. A gradient the masked kernel writes
+        straight into a communication bucket counts its own bytes as a gradient (not the
+        whole bucket); `communication_buffers` counts the buckets whole, so the two
+        overlap by `gradients_in_buffers`."""
         seen = set()
 
         def nbytes(ts):
@@ -432,7 +456,12 @@ class SubnetDataParallel(nn.Module):
             return total
 
         params = nbytes(list(self.module.parameters()) + [getattr(m, a) for m, a in self._value_refs.values()])
-        grads = nbytes([p.grad for p in self.module.parameters()])
+        bucket_storages = self._averager.buffer_storages()
+        grad_list = [p.grad for p in self.module.parameters() if p.grad is not None]
+        in_buffers = {(g.data_ptr(), g.numel() * g.element_size()) for g in grad_list
+                      if g.untyped_storage().data_ptr() in bucket_storages}
+        grads = nbytes([g for g in grad_list if g.untyped_storage().data_ptr() not in bucket_storages])
+        grads += sum(n for _, n in in_buffers)
         state = 0
         if optimizer is not None:
             state = nbytes([v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)])
@@ -442,7 +471,8 @@ class SubnetDataParallel(nn.Module):
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
         return {"parameters": params, "gradients": grads, "optimizer_state": state, "buffers": buffers,
                 "model_state": params + grads + state, "peak_allocated": peak,
-                "communication_buffers": self._averager.buffer_bytes}
+                "communication_buffers": self._averager.buffer_bytes,
+                "gradients_in_buffers": sum(n for _, n in in_buffers)}
 
     def predicted_model_state_bytes(self, optimizer_state_per_param: float = 2.0) -> float:
         """Plan's prediction of parameters + gradients + optimizer state (Adam: 2 x params)."""

@@ -60,6 +60,31 @@ def _two_rank_worker(rank, world):
         full, ref = sdp.full_state_dict(), ddp.module.state_dict()
         out[f"ddp_diff_{regime}_{level}"] = max((full[k] - ref[k]).abs().max().item() for k in ref)
 
+    # no_sync(): a micro-batch accumulated without communication, then one averaged backward,
+    # equals torch DDP's no_sync at coverage 1.0 (including the backward regime's gradients
+    # written straight into the buckets); nothing is communicated inside the context.
+    for regime, level in (("forward", "block"), ("backward", "neuron")):
+        model = make_model()
+        ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+        sdp = sx.SubnetDataParallel(model, sx.plan_subnetworks(model, world, 1.0, level), regime=regime,
+                                    bucket_cap_mb=0.001)
+        silent = True
+        for module, opt in ((ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-2)),
+                            (sdp, torch.optim.AdamW(sdp.parameters(), lr=1e-2))):
+            for s in range(2):
+                x0, y0 = batch(rank, 2 * s)
+                x1, y1 = batch(rank, 2 * s + 1)
+                before = sdp.counter.collectives
+                with module.no_sync():
+                    F.cross_entropy(module(x0), y0).backward()
+                silent &= sdp.counter.collectives == before
+                F.cross_entropy(module(x1), y1).backward()
+                opt.step()
+                opt.zero_grad()
+        full, ref = sdp.full_state_dict(), ddp.module.state_dict()
+        out[f"no_sync_diff_{regime}_{level}"] = max((full[k] - ref[k]).abs().max().item() for k in ref)
+        out[f"no_sync_silent_{regime}_{level}"] = silent and sdp.counter.collectives > 0
+
     # full_state_dict loads into the original, unmasked model; evaluate("full") is that model.
     model = make_model()
     plan = sx.plan_subnetworks(model, world, 0.5, "block")
@@ -97,6 +122,8 @@ def test_two_ranks_ddp_equivalence_export_and_errors():
     for r in results:
         assert r["ddp_diff_forward_block"] < 1e-6, r
         assert r["ddp_diff_backward_neuron"] < 1e-6, r
+        assert r["no_sync_diff_forward_block"] < 1e-6 and r["no_sync_diff_backward_neuron"] < 1e-6, r
+        assert r["no_sync_silent_forward_block"] and r["no_sync_silent_backward_neuron"], r
         assert r["full_eval_diff"] < 1e-6, r
         e = r["errors"]
         assert e["world"] and "world size 4" in e["world"] and "2 ranks" in e["world"]

@@ -461,7 +461,8 @@ class SubnetDataParallel(nn.Module):
         in_buffers = {(g.data_ptr(), g.numel() * g.element_size()) for g in grad_list
                       if g.untyped_storage().data_ptr() in bucket_storages}
         grads = nbytes([g for g in grad_list if g.untyped_storage().data_ptr() not in bucket_storages])
-        grads += sum(n for _, n in in_buffers)
+        in_buffer_bytes = sum(n for _, n in in_buffers)
+        grads += in_buffer_bytes
         state = 0
         if optimizer is not None:
             state = nbytes([v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)])
@@ -472,7 +473,7 @@ class SubnetDataParallel(nn.Module):
         return {"parameters": params, "gradients": grads, "optimizer_state": state, "buffers": buffers,
                 "model_state": params + grads + state, "peak_allocated": peak,
                 "communication_buffers": self._averager.buffer_bytes,
-                "gradients_in_buffers": sum(n for _, n in in_buffers)}
+                "gradients_in_buffers": in_buffer_bytes}
 
     def predicted_model_state_bytes(self, optimizer_state_per_param: float = 2.0) -> float:
         """Plan's prediction of parameters + gradients + optimizer state (Adam: 2 x params)."""

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from subnet_ext.buckets import DEFAULT_BUCKET_CAP_MB
+
 METHOD_ORDER = ("ddp", "fsdp", "sdp")
 SDP_VARIANTS = (("block", "forward"), ("block", "backward"), ("neuron", "forward"), ("neuron", "backward"))
 
@@ -41,7 +43,7 @@ class Config:
     coverage: float | None = None
     overlap: bool = True
     simulate: bool = False  # every rank simulates itself: no communication at all
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
     steps: int = 6  # at least this many timed steps ...
     min_seconds: float = 3.0  # ... and at least this long (up to max_steps)
     max_steps: int = 60
@@ -57,14 +59,6 @@ class Config:
         return f"sdp-{self.level}-{self.regime}-c{self.coverage:g}{extra}"
 
 
-def _rss_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def measure(rank: int, world: int, cfg: Config) -> dict:
     """One rank of one configuration (runs inside subnet_ext.testing.run_distributed)."""
     import torch.distributed as dist
@@ -73,9 +67,9 @@ def measure(rank: int, world: int, cfg: Config) -> dict:
     from subnet_ext.models.llama import LLAMA_PRESETS
     from subnet_ext.models.registry import build_model
     from subnet_ext.plan import plan_subnetworks
-    from subnet_ext.training.methods import DDPMethod, FSDPMethod, SDPMethod
+    from subnet_ext.training.methods import DDPMethod, FSDPMethod, SDPMethod, proc_status_bytes
 
-    rss_before = _rss_bytes("VmRSS")
+    rss_before = proc_status_bytes("VmRSS")
     torch.manual_seed(0)
     model = build_model("llama", preset=cfg.model)
     cpu = torch.device("cpu")
@@ -123,7 +117,7 @@ def measure(rank: int, world: int, cfg: Config) -> dict:
     comm = method.comm()
     steady = [b - a for a, b in zip(ends, ends[1:])]
     return {"step_s": statistics.median(steady), "timed_steps": timed, "model_state": memory["model_state"],
-            "peak_growth": _rss_bytes("VmHWM") - rss_before, "comm_bytes": comm["bytes_per_step"],
+            "peak_growth": proc_status_bytes("VmHWM") - rss_before, "comm_bytes": comm["bytes_per_step"],
             "collectives": comm["collectives_per_step"], "loss": loss.item()}
 
 
@@ -269,7 +263,7 @@ def parse(argv=None):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=8, help="sequences per rank")
     p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's and SDP's bucket size")
+    p.add_argument("--bucket-cap-mb", type=float, default=DEFAULT_BUCKET_CAP_MB, help="DDP's and SDP's bucket size")
     p.add_argument("--overlap-model", default="small")
     p.add_argument("--overlap-bucket-cap-mb", type=float, default=1.0)
     p.add_argument("--overlap-batch-size", type=int, default=2)

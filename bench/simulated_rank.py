@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from subnet_ext.training.methods import proc_status_bytes
+
 
 def _peak_start(device):
     gc.collect()
@@ -29,42 +31,36 @@ def _peak_start(device):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         return torch.cuda.memory_allocated(device)
-    return _rss("VmRSS")
+    return proc_status_bytes("VmRSS")
 
 
 def _peak_end(device, start):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device)  # the allocator's peak, model state included
-    return _rss("VmHWM") - start
-
-
-def _rss(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return proc_status_bytes("VmHWM") - start
 
 
 def run(opts, sdp: bool, device, dtype) -> dict:
-    from subnet_ext import SubnetDataParallel, plan_subnetworks
+    from subnet_ext import plan_subnetworks
     from subnet_ext.data.tokens import SyntheticTokens
     from subnet_ext.models.llama import LLAMA_PRESETS, LlamaForCausalLM
+    from subnet_ext.training.methods import Method, SDPMethod
 
     torch.manual_seed(0)
     cfg = LLAMA_PRESETS[opts.preset]
     with torch.device(device):
         model = LlamaForCausalLM(cfg).to(dtype)
-    comm = None
     if sdp:
         plan = plan_subnetworks(model, world_size=opts.world_size, coverage=opts.coverage, level=opts.level,
                                 seed=opts.seed)
-        model = SubnetDataParallel(model, plan, regime=opts.regime, simulate_rank=opts.rank)
+        method = SDPMethod(model, plan, opts.regime, 1, "none", simulate_rank=opts.rank)
+    else:
+        method = Method(model)  # the plain model: what every DDP rank holds and computes
     # Peak from here: training (model state, activations, workspace), not the one-off
     # construction of the full model that the SDP wrapper then cuts down.
     start = _peak_start(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    optimizer = torch.optim.AdamW(method.parameters(), lr=1e-4)
     source = SyntheticTokens(cfg.vocab_size, opts.seq_len, seed=0)
     gen = torch.Generator().manual_seed(opts.rank)
     times, state = [], None
@@ -73,27 +69,22 @@ def run(opts, sdp: bool, device, dtype) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        logits = model(x)
+        logits = method(x)
         loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
         loss.backward()
         optimizer.step()
         if state is None:
-            params = sum(p.numel() * p.element_size() for p in model.parameters())
-            grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
-            optim = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
-                        if torch.is_tensor(v))
-            state = params + grads + optim
+            state = method.memory(optimizer)["model_state"]  # gradients still allocated
         optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if step >= opts.warmup:
             times.append(time.perf_counter() - t0)
         del logits, loss
-    if sdp:
-        comm = model.comm_stats()["bytes_per_step"]
+    comm = method.comm()["bytes_per_step"] if sdp else None
     peak = _peak_end(device, start)
     step_s = statistics.median(times)
-    del model, optimizer
+    del method, model, optimizer
     return {"step_s": step_s, "tokens_per_s": opts.batch_size * opts.seq_len / step_s, "peak": peak,
             "model_state": state, "comm_bytes_per_step": comm}
 

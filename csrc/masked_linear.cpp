@@ -68,7 +68,7 @@ Shapes check_operands(const char* op, const at::Tensor& x, const at::Tensor& wei
 
 // W[R][:, S] as a contiguous [|R|, |S|] tensor (the weight itself when nothing is selected).
 at::Tensor gather_weight_block(const at::Tensor& weight, const OptTensor& out_idx, const OptTensor& in_idx,
-                        bool compact_weight, const Shapes& s, const IndexKernels& k) {
+                               bool compact_weight, const Shapes& s, const IndexKernels& k) {
   if (compact_weight || (!out_idx.has_value() && !in_idx.has_value())) return weight;
   const at::Tensor src = weight.contiguous();
   at::Tensor dst = at::empty({s.kept_out, s.kept_in}, weight.options());

@@ -12,6 +12,7 @@ import math
 import os
 import sys
 
+from .buckets import DEFAULT_BUCKET_CAP_MB
 from .launch import exit_worker, free_port, shutdown_distributed, spawn_local, under_torchrun
 
 METHODS = ("ddp", "fsdp", "sdp")
@@ -34,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     sdp.add_argument("--coverage", type=float, default=0.5, help="fraction of ranks owning each unit, in (0, 1]")
     sdp.add_argument("--sync-every", type=int, default=1, help="H: average parameters every H steps (H>1)")
     sdp.add_argument("--scale", choices=("none", "inverse"), default="none")
-    sdp.add_argument("--bucket-cap-mb", type=float, default=25.0,
+    sdp.add_argument("--bucket-cap-mb", type=float, default=DEFAULT_BUCKET_CAP_MB,
                      help="MiB per packed collective (SDP buckets; DDP's bucket_cap_mb too)")
     sdp.add_argument("--no-overlap", action="store_true",
                      help="issue SDP's all-reduces after the backward instead of during it (for measurement)")

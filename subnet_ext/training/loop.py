@@ -19,6 +19,7 @@ from argparse import Namespace
 import torch
 import torch.distributed as dist
 
+from ..buckets import DEFAULT_BUCKET_CAP_MB
 from ..guard import NonFiniteGuard
 from ..launch import init_distributed, pick_backend
 from . import checkpointing
@@ -35,7 +36,7 @@ def data_rank(args: Namespace) -> tuple[int, int]:
 
 
 def make_method(args: Namespace, model, device):
-    bucket_cap_mb = getattr(args, "bucket_cap_mb", 25.0)
+    bucket_cap_mb = getattr(args, "bucket_cap_mb", DEFAULT_BUCKET_CAP_MB)
     if args.method == "ddp":
         return DDPMethod(model, device, bucket_cap_mb)
     if args.method == "fsdp":

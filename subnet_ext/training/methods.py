@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..buckets import DEFAULT_BUCKET_CAP_MB
 from ..communicator import CommCounter
 
 
@@ -52,6 +53,19 @@ class ActivationMeter:
 
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def proc_status_bytes(field: str) -> int:
+    """A memory field of /proc/self/status in bytes ("VmRSS": resident now, "VmHWM": its
+    high-water mark); 0 where the field or the file is missing (not Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def _counting_allreduce_hook(counter: CommCounter):
@@ -109,7 +123,7 @@ class Method:
 class DDPMethod(Method):
     name = "ddp"
 
-    def __init__(self, model, device, bucket_cap_mb: float = 25.0):
+    def __init__(self, model, device, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         super().__init__(model)
@@ -207,7 +221,7 @@ def _is_block_list_member(model, name):
 class SDPMethod(Method):
     name = "sdp"
 
-    def __init__(self, model, plan, regime, sync_every, scale, process_group=None, bucket_cap_mb=25.0,
+    def __init__(self, model, plan, regime, sync_every, scale, process_group=None, bucket_cap_mb=DEFAULT_BUCKET_CAP_MB,
                  overlap=True, simulate_rank=None, timeout=None):
         from ..engine import SubnetDataParallel
 

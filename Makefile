@@ -26,7 +26,7 @@ test: build
 	$(PY) -m pytest -q tests
 
 demo: build
-	$(PY) -m subnet_ext.train compare
+	$(PY) -m subnet_ext.cli.train compare
 
 bench: build
 	bash bench/build.sh

@@ -127,8 +127,8 @@ setup(
     install_requires=["torch", "numpy", "tqdm", "matplotlib", "scikit-learn"],
     entry_points={
         "console_scripts": [
-            "subnet-train=subnet_ext.train:main",
-            "subnet-plan=subnet_ext.plan_cli:main",
+            "subnet-train=subnet_ext.cli.train:main",
+            "subnet-plan=subnet_ext.cli.plan:main",
         ]
     },
 )

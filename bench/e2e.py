@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from subnet_ext.buckets import DEFAULT_BUCKET_CAP_MB
+from subnet_ext.planning.buckets import DEFAULT_BUCKET_CAP_MB
 
 METHOD_ORDER = ("ddp", "fsdp", "sdp")
 SDP_VARIANTS = (("block", "forward"), ("block", "backward"), ("neuron", "forward"), ("neuron", "backward"))
@@ -66,8 +66,8 @@ def measure(rank: int, world: int, cfg: Config) -> dict:
     from subnet_ext.data.tokens import SyntheticTokens
     from subnet_ext.models.llama import LLAMA_PRESETS
     from subnet_ext.models.registry import build_model
-    from subnet_ext.plan import plan_subnetworks
-    from subnet_ext.training.methods import DDPMethod, FSDPMethod, SDPMethod, proc_status_bytes
+    from subnet_ext.planning.plan import plan_subnetworks
+    from subnet_ext.cli.methods import DDPMethod, FSDPMethod, SDPMethod, proc_status_bytes
 
     rss_before = proc_status_bytes("VmRSS")
     torch.manual_seed(0)
@@ -162,7 +162,7 @@ def main_table(results: list[tuple[Config, dict]]) -> list[str]:
     lines = ["| model | K | run | owners/unit | step ms | ×ddp | model state MiB/rank | ×ddp | peak RSS growth MiB "
              "| ×ddp | comm MiB/step | ×ddp | collectives/step |",
              "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    from subnet_ext.plan import owners_per_unit
+    from subnet_ext.planning.plan import owners_per_unit
 
     ddp = {(c.model, c.world): r for c, r in results if c.method == "ddp" and "error" not in r}
     for c, r in results:

@@ -50,7 +50,7 @@ step pack-segments "$OUT/kernels.md" 200 bench/bin/pack_segments_cuda_bench
 for run in nccl rank0-of-8; do
   args=(--method sdp --model llama --preset small --data synthetic --steps 300 --eval-every 100 --device cuda)
   if [[ $run == nccl ]]; then args+=(--backend nccl --nproc 1); else args+=(--coverage 0.25 --simulate-rank 0 --world-size 8); fi
-  step "train-sdp-$run" "$LOG" 300 $PY -m subnet_ext.train "${args[@]}" --out "/tmp/train-sdp-$run"
+  step "train-sdp-$run" "$LOG" 300 $PY -m subnet_ext.cli.train "${args[@]}" --out "/tmp/train-sdp-$run"
   cp "/tmp/train-sdp-$run/report.md" "$OUT/train-sdp-$run.md" 2>/dev/null
 done
 step simulated-rank-1b "$OUT/simulated-rank-1b.md" 400 $PY bench/simulated_rank.py --preset 1b --dtype bf16 \

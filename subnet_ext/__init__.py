@@ -3,13 +3,15 @@
 Each of K ranks trains a structured subnetwork of the model; each parameter is averaged
 only among the ranks that hold it. See README.md and DESIGN.md.
 """
-from . import checkpoint, ops, reference
-from .build import build_info
-from .collectives import CollectiveError
-from .consistency import ConsistencyError
+from .state import checkpoint
+from . import ops
+from .ops import reference
+from .ops.build_info import build_info
+from .comm.collectives import CollectiveError
+from .state.consistency import ConsistencyError
 from .engine import SubnetDataParallel
-from .guard import NonFiniteGuard, TooManySkippedSteps
-from .plan import SubnetPlan, Unit, plan_subnetworks
+from .engine.guard import NonFiniteGuard, TooManySkippedSteps
+from .planning.plan import SubnetPlan, Unit, plan_subnetworks
 from .ops import (
     masked_linear,
     masked_linear_backward,

@@ -58,7 +58,7 @@ def _distributed_entry(rank, world_size, port, fn, args, queue):
 
         queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
-        from .launch import exit_worker, shutdown_distributed
+        from .cli.launch import exit_worker, shutdown_distributed
 
         shutdown_distributed()
         queue.close()
@@ -78,7 +78,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180.0) -> list:
 
     import torch.multiprocessing as mp
 
-    from .launch import free_port
+    from .cli.launch import free_port
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()

@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 import subnet_ext as sx
 from subnet_ext import reference
 from subnet_ext.models import ResidualMLP
-from subnet_ext.pieces import global_pieces
-from subnet_ext.slots import area, full_rect
-from subnet_ext.train import build_parser, check_args
+from subnet_ext.planning.pieces import global_pieces
+from subnet_ext.state.slots import area, full_rect
+from subnet_ext.cli.train import build_parser, check_args
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 CLEAR = (ValueError, RuntimeError)

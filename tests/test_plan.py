@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import subnet_ext as sx
 from subnet_ext.models import LLAMA_PRESETS, LlamaForCausalLM, ResidualMLP, plain_mlp, resnet18
-from subnet_ext.plan import SubnetPlan
+from subnet_ext.planning.plan import SubnetPlan
 
 
 def mlp():
@@ -148,7 +148,7 @@ def test_single_rank_equals_plain_training(arch, level, regime):
 
 
 def test_plan_cli_1b_at_world_size_8(capsys):
-    from subnet_ext.plan_cli import main
+    from subnet_ext.cli.plan import main
 
     assert main(["--model", "llama", "--preset", "1b", "--world-size", "8", "--coverage", "0.25"]) == 0
     out = capsys.readouterr().out

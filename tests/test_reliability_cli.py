@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
-from subnet_ext.launch import free_port
-from subnet_ext.train import main
-from subnet_ext.training.checkpointing import load_full_model_state
+from subnet_ext.cli.launch import free_port
+from subnet_ext.cli.train import main
+from subnet_ext.cli.checkpointing import load_full_model_state
 
 TINY = ["--model", "mlp", "--width", "16", "--data", "digits", "--batch-size", "16", "--method", "sdp"]
 
@@ -25,7 +25,7 @@ def test_killed_worker_restarts_and_matches_uninterrupted_run(tmp_path):
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "subnet_ext.train",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "subnet_ext.cli.train",
            *run, "--save-dir", str(tmp_path / "elastic"), "--resume", "auto", "--timeout", "30",
            "--out", str(tmp_path / "e")]
     # Its own session, so a hung run is killed with every worker it started.

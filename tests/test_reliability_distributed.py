@@ -18,11 +18,11 @@ import torch.nn.functional as F
 
 import subnet_ext as sx
 from sdp_helpers import batch, make_model, train
-from subnet_ext.checkpoint import load_subnet_checkpoint, save_subnet_checkpoint
-from subnet_ext.collectives import CollectiveError
-from subnet_ext.consistency import ConsistencyError, describe_piece
-from subnet_ext.guard import NonFiniteGuard, TooManySkippedSteps
-from subnet_ext.state import _narrow
+from subnet_ext.state.checkpoint import load_subnet_checkpoint, save_subnet_checkpoint
+from subnet_ext.comm.collectives import CollectiveError
+from subnet_ext.state.consistency import ConsistencyError, describe_piece
+from subnet_ext.engine.guard import NonFiniteGuard, TooManySkippedSteps
+from subnet_ext.state.assembly import _narrow
 
 TIMEOUT_S = 3.0
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from subnet_ext.train import build_parser, check_args, main
+from subnet_ext.cli.train import build_parser, check_args, main
 
 TINY = ["--model", "mlp", "--data", "digits", "--steps", "6", "--batch-size", "16", "--nproc", "2"]
 
@@ -109,7 +109,7 @@ def test_model_data_mismatch_is_a_clear_error():
 
 
 def test_console_entry_point_runs_as_module(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "subnet_ext.train", "--help"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "subnet_ext.cli.train", "--help"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and "--coverage" in out.stdout
 

@@ -19,9 +19,9 @@ from argparse import Namespace
 import torch
 import torch.distributed as dist
 
-from ..buckets import DEFAULT_BUCKET_CAP_MB
-from ..guard import NonFiniteGuard
-from ..launch import init_distributed, pick_backend
+from ..planning.buckets import DEFAULT_BUCKET_CAP_MB
+from ..engine.guard import NonFiniteGuard
+from .launch import init_distributed, pick_backend
 from . import checkpointing
 from .faults import Faults
 from .methods import ActivationMeter, DDPMethod, FSDPMethod, SDPMethod, peak_rss_bytes
@@ -41,7 +41,7 @@ def make_method(args: Namespace, model, device):
         return DDPMethod(model, device, bucket_cap_mb)
     if args.method == "fsdp":
         return FSDPMethod(model, device)
-    from ..plan import plan_subnetworks
+    from ..planning.plan import plan_subnetworks
 
     plan = plan_subnetworks(model, world_size=data_rank(args)[1], coverage=args.coverage, level=args.level,
                             seed=args.seed)

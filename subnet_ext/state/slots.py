@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .pieces import Piece, rectangle
+from ..planning.pieces import Piece, rectangle
 
 Rect = tuple  # (row_begin, row_end, col_begin, col_end)
 

@@ -25,10 +25,10 @@ class WorkerError(RuntimeError):
 
 def _clean_stop_types() -> tuple:
     """Errors a run detects and stops on by design: reported in one line, no traceback."""
-    from .checkpoint import CheckpointError
-    from .collectives import CollectiveError
-    from .consistency import ConsistencyError
-    from .guard import TooManySkippedSteps
+    from ..state.checkpoint import CheckpointError
+    from ..comm.collectives import CollectiveError
+    from ..state.consistency import ConsistencyError
+    from ..engine.guard import TooManySkippedSteps
 
     return TooManySkippedSteps, ConsistencyError, CollectiveError, CheckpointError
 

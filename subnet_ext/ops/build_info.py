@@ -13,8 +13,8 @@ def build_info() -> dict:
         kernels compiled), cuda_kernels_registered (the CUDA dispatch key is live) and
         cuda_available (a GPU is visible now).
     """
-    from . import _build_info as info
-    from . import _C  # noqa: F401
+    from .. import _build_info as info
+    from .. import _C  # noqa: F401
 
     registered = torch._C._dispatch_has_kernel_for_dispatch_key("subnet_ext::masked_linear", "CUDA")
     return {

@@ -21,7 +21,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import (CheckpointError, CheckpointWriteError, find_checkpoint, list_checkpoints,
+from ..state.checkpoint import (CheckpointError, CheckpointWriteError, find_checkpoint, list_checkpoints,
                           load_subnet_checkpoint, read_state, save_checkpoint, save_subnet_checkpoint, state_metadata)
 
 # What must match for a resume; SDP may change world size, coverage, level, regime and
@@ -141,7 +141,7 @@ def resume(args, method, optimizer) -> tuple[int, dict] | None:
 def load_full_model_state(folder: str) -> dict:
     """The full model's state dict (original names and shapes) from a checkpoint of any
     method, in this process alone (no process group needed). Verifies the checksums."""
-    from ..checkpoint import verify_checkpoint
+    from ..state.checkpoint import verify_checkpoint
 
     if dist.is_initialized():
         raise RuntimeError("load_full_model_state reads a checkpoint in one process; call it outside a process group")
@@ -156,10 +156,10 @@ def load_full_model_state(folder: str) -> dict:
 
 
 def _assemble_sdp(folder, manifest, available) -> dict:
-    from ..optim_state import MODEL
-    from ..pieces import global_pieces
-    from ..plan import SubnetPlan
-    from ..slots import as_2d, full_rect, piece_key
+    from ..state.optim_state import MODEL
+    from ..planning.pieces import global_pieces
+    from ..planning.plan import SubnetPlan
+    from ..state.slots import as_2d, full_rect, piece_key
 
     plan = SubnetPlan.from_json(manifest["plan"])
     out = {n: torch.zeros(shape, dtype=getattr(torch, plan.tensor_dtypes[n]))

@@ -307,7 +307,7 @@ def load_subnet_checkpoint(path: str, sdp, optimizer=None, *, verified_manifest:
         CheckpointError: no good checkpoint. ValueError: a checkpoint of another model.
     """
     from .optim_state import load_hyperparameters, load_sharded_state_dict
-    from .plan import SubnetPlan
+    from ..planning.plan import SubnetPlan
 
     if verified_manifest is not None:
         folder, manifest = path, verified_manifest

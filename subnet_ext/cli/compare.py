@@ -36,7 +36,7 @@ def build_parser():
 
 
 def main(argv=None) -> int:
-    from ..train import build_parser as train_parser, check_args, run
+    from .train import build_parser as train_parser, check_args, run
     from .report import markdown_table, plot_runs
 
     opts = build_parser().parse_args(argv)

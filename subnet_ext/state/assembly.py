@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .collectives import describe_group, wait
+from ..comm.collectives import describe_group, wait
 
 FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 

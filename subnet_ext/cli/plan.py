@@ -13,9 +13,9 @@ import sys
 
 import torch
 
-from .costs import choose_strategy, predicted_comm
-from .models import LLAMA_PRESETS, build_model
-from .plan import plan_subnetworks
+from ..planning.costs import choose_strategy, predicted_comm
+from ..models import LLAMA_PRESETS, build_model
+from ..planning.plan import plan_subnetworks
 
 MIB = 2 ** 20
 

@@ -12,7 +12,7 @@ import math
 import os
 import sys
 
-from .buckets import DEFAULT_BUCKET_CAP_MB
+from ..planning.buckets import DEFAULT_BUCKET_CAP_MB
 from .launch import exit_worker, free_port, shutdown_distributed, spawn_local, under_torchrun
 
 METHODS = ("ddp", "fsdp", "sdp")
@@ -130,7 +130,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 
 def _check_preset(p, args) -> None:
-    from .models.llama import LLAMA_PRESETS
+    from ..models.llama import LLAMA_PRESETS
 
     if args.model == "llama" and args.preset not in (None, *LLAMA_PRESETS):
         p.error(f"--preset {args.preset!r} is not a llama preset; choose one of {', '.join(LLAMA_PRESETS)}")
@@ -141,7 +141,7 @@ def _check_preset(p, args) -> None:
 
 
 def _check_checkpoint_args(p, args) -> None:
-    from .checkpoint import list_checkpoints
+    from ..state.checkpoint import list_checkpoints
 
     if args.resume in ("latest", "auto") and not args.save_dir:
         p.error(f"--resume needs --save-dir (--resume {args.resume} looks for checkpoints there)")
@@ -156,7 +156,7 @@ def _check_checkpoint_args(p, args) -> None:
 
 def run(args: argparse.Namespace) -> dict | None:
     """Runs one training job in this process tree; returns rank 0's report when local."""
-    from .training.loop import run_worker
+    from .loop import run_worker
 
     if under_torchrun():
         try:
@@ -192,7 +192,7 @@ def run(args: argparse.Namespace) -> dict | None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "compare":
-        from .training.compare import main as compare_main
+        from .compare import main as compare_main
 
         return compare_main(argv[1:])
     if argv and argv[0] == "train":
@@ -200,10 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
-    from .checkpoint import CheckpointError
-    from .collectives import CollectiveError
-    from .consistency import ConsistencyError
-    from .guard import TooManySkippedSteps
+    from ..state.checkpoint import CheckpointError
+    from ..comm.collectives import CollectiveError
+    from ..state.consistency import ConsistencyError
+    from ..engine.guard import TooManySkippedSteps
     from .launch import WorkerError
 
     torchrun = under_torchrun()  # before run(): a one-process run sets the same variables itself
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     if torchrun:
         exit_worker(0)  # this process is one of torchrun's workers: see launch.exit_worker
     if report is not None:
-        from .training.report import markdown_table
+        from .report import markdown_table
 
         print(markdown_table([report], baseline_label=report["label"]))
     return 0

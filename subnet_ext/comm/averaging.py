@@ -19,10 +19,10 @@ from typing import Callable
 
 import torch
 
-from . import ops
-from .buckets import Bucket
+from .. import ops
+from ..planning.buckets import Bucket
 from .communicator import Communicator
-from .pieces import Piece
+from ..planning.pieces import Piece
 
 Resolver = Callable[[Piece], tuple]  # piece -> (local tensor, rectangle) on this rank
 

@@ -27,16 +27,19 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from .averaging import BucketedAverager, CopyRefresher
-from .buckets import DEFAULT_BUCKET_CAP_MB, build_buckets
-from .communicator import CommCounter, Communicator, SimulatedCommunicator
-from . import collectives, consistency, guard, optim_state
-from .collectives import as_timedelta
-from .costs import DEFAULT_LATENCY_BYTES, choose_strategy, predicted_comm
-from .pieces import global_pieces, local_starts, rectangle
-from .plan import SubnetPlan, model_fingerprint
-from .state import assemble, load_pieces
-from .subnetwork import attach_direct_gradients, materialise_forward, prepare_backward
+from ..comm.averaging import BucketedAverager, CopyRefresher
+from ..planning.buckets import DEFAULT_BUCKET_CAP_MB, build_buckets
+from ..comm.communicator import CommCounter, Communicator, SimulatedCommunicator
+from ..comm import collectives
+from ..state import consistency
+from . import guard
+from ..state import optim_state
+from ..comm.collectives import as_timedelta
+from ..planning.costs import DEFAULT_LATENCY_BYTES, choose_strategy, predicted_comm
+from ..planning.pieces import global_pieces, local_starts, rectangle
+from ..planning.plan import SubnetPlan, model_fingerprint
+from ..state.assembly import assemble, load_pieces
+from .surgery import attach_direct_gradients, materialise_forward, prepare_backward
 
 REGIMES = ("forward", "backward")
 SCALES = ("none", "inverse")

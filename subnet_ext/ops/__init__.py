@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import _C  # noqa: F401  (loads the library that registers the kernels)
+from .. import _C  # noqa: F401  (loads the library that registers the kernels)
 
 __all__ = [
     "masked_linear",

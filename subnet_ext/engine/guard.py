@@ -23,7 +23,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from . import collectives
+from ..comm import collectives
 
 
 class TooManySkippedSteps(RuntimeError):

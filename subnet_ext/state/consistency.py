@@ -22,8 +22,8 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from . import collectives
-from .state import _narrow
+from ..comm import collectives
+from .assembly import _narrow
 
 
 class ConsistencyError(RuntimeError):

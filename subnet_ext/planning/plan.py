@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .plan_checks import check_plan_json
+from .plan_json import check_plan_json
 from .units import UnitGroup, check_no_chained, find_blocks, find_neuron_groups, slice_numel
 
 LEVELS = ("block", "neuron")

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..buckets import DEFAULT_BUCKET_CAP_MB
-from ..communicator import CommCounter
+from ..planning.buckets import DEFAULT_BUCKET_CAP_MB
+from ..comm.communicator import CommCounter
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -152,7 +152,7 @@ class DDPMethod(Method):
         self.module.load_state_dict(sd)
 
     def verify_consistency(self):
-        from ..consistency import verify_replicas
+        from ..state.consistency import verify_replicas
 
         verify_replicas(self.module.state_dict())  # data parallelism: every rank is a replica
 

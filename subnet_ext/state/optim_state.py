@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import collectives
-from .pieces import global_pieces
+from ..comm import collectives
+from ..planning.pieces import global_pieces
 from .slots import area, as_2d, copy_overlaps, full_rect, model_slots, optimizer_slots, overlapping, piece_key
 
 MODEL, OPTIM = "model/", "optim/"

@@ -18,8 +18,8 @@ import types
 import torch
 import torch.nn as nn
 
-from . import ops
-from .pieces import Piece, owned_indices
+from .. import ops
+from ..planning.pieces import Piece, owned_indices
 
 
 def split_name(name: str) -> tuple[str, str]:

@@ -1,0 +1,1 @@
+"""Command line: `subnet-train` (training, comparison, launch) and `subnet-plan`."""

@@ -1,0 +1,1 @@
+"""Planning: which rank owns which part of the model, decided from the model's structure alone."""

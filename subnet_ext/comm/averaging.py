@@ -68,7 +68,9 @@ class _BucketState:
 
     def ensure_buffer(self, device) -> torch.Tensor:
         if self.buffer is None:
-            self.buffer = torch.empty(self.bucket.numel, dtype=getattr(torch, self.bucket.dtype), device=device)
+            # Zeroed once: the alignment gaps between pieces (buckets.py) are never packed,
+            # so they stay zero through every all-reduce instead of summing garbage.
+            self.buffer = torch.zeros(self.bucket.numel, dtype=getattr(torch, self.bucket.dtype), device=device)
         return self.buffer
 
 

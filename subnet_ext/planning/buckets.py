@@ -12,6 +12,13 @@ the global launch order is the order in which buckets close (the rest close at t
 in order of their last piece). Every rank launches its buckets in this one global order,
 so two ranks never wait on each other in a cycle, and the layout (hence every sum) is the
 same whether communication overlaps the backward or not.
+
+Alignment: every piece starts at a buffer offset that is a multiple of 16 bytes
+(PIECE_ALIGN_BYTES), so the packing kernels' 16-byte vector path applies to every
+segment, not only to those before the first piece of an odd size. The gaps are part of
+the bucket (numel counts them, so they are handed to the collective and counted by the
+cost model) but are never packed or unpacked; the averager allocates buffers zeroed, so
+the gaps hold zeros and sum to zeros.
 """
 from __future__ import annotations
 
@@ -23,6 +30,7 @@ import torch
 from .pieces import Piece, rectangle
 
 DEFAULT_BUCKET_CAP_MB = 25.0  # torch DDP's default
+PIECE_ALIGN_BYTES = 16  # the packing kernels' vector width (one 128-bit load/store)
 
 
 @dataclass
@@ -30,8 +38,10 @@ class Bucket:
     """One packed collective.
 
     owners: the ranks that take part (an owner set, or every rank for zero-filled buckets).
-    pieces / offsets: the pieces in buffer order and the first buffer element of each.
-    numel: elements of the buffer. dtype: a torch dtype name ("float32", ...).
+    pieces / offsets: the pieces in buffer order and the first buffer element of each
+        (offset * element size is a multiple of PIECE_ALIGN_BYTES).
+    numel: elements of the 1-D buffer [numel], alignment gaps included.
+    dtype: a torch dtype name ("float32", ...).
     """
 
     owners: tuple
@@ -42,8 +52,21 @@ class Bucket:
     last_position: int = 0  # visiting position of its last piece (for the closing order)
 
     @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+    @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        """Bytes of the buffer, alignment gaps included (what a collective is handed)."""
+        return self.numel * self.element_size
+
+    def append(self, piece: Piece, numel: int) -> None:
+        """Add `piece` (`numel` elements) at the next offset aligned to PIECE_ALIGN_BYTES."""
+        align = max(1, PIECE_ALIGN_BYTES // self.element_size)  # elements per 16 bytes
+        offset = -(-self.numel // align) * align
+        self.pieces.append(piece)
+        self.offsets.append(offset)
+        self.numel = offset + numel
 
 
 def piece_numel(plan, piece: Piece) -> int:
@@ -72,9 +95,7 @@ def build_buckets(plan, pieces: list[Piece], strategy: str, cap_bytes: float) ->
         dtype = plan.tensor_dtypes[p.name]
         owners = p.owners if strategy == "groups" else world
         b = open_buckets.setdefault((owners, dtype), Bucket(owners, dtype))
-        b.pieces.append(p)
-        b.offsets.append(b.numel)
-        b.numel += piece_numel(plan, p)
+        b.append(p, piece_numel(plan, p))
         b.last_position = visit
         if b.nbytes >= cap_bytes:
             closed.append(open_buckets.pop((owners, dtype)))

@@ -6,6 +6,9 @@ Bytes *handed to collectives* by one rank in one synchronisation:
   bucket (owner set, dtype, cut at the bucket cap; see buckets.py).
 - zero-filled strategy: all-reduces over the world of every unit and shared tensor
   with more than one owner, zeros where a rank holds nothing (one per bucket).
+Both count whole bucket buffers, including the gaps that align each piece to 16 bytes
+(buckets.py): at most 15 bytes per piece, and what the collective is really handed, so
+the prediction equals the communicator's count.
 Ring all-reduce moves 2(|S|-1)/|S| of a buffer per rank: that is `ring_bytes`, what
 the strategy choice minimises (plus a per-collective latency expressed in bytes).
 The backward regime adds the refresh: one broadcast per leader rank (the lowest owner)

@@ -44,20 +44,58 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
-def pick_backend(requested: str = "auto", device: str = "auto") -> tuple[str, torch.device]:
-    """(backend, device): NCCL on GPUs, gloo on CPUs, unless asked otherwise."""
+def choose_backend(requested: str = "auto", device: str = "auto",
+                   local_world_size: int = 1) -> tuple[str, str, str | None]:
+    """(backend, device type, note): the choice alone, without touching any device.
+
+    NCCL on GPUs, gloo on CPUs, unless asked otherwise. NCCL refuses two ranks on one GPU
+    ("Duplicate GPU detected"), so with more local ranks than visible GPUs: --device auto
+    falls back to gloo on the CPU and `note` says why (one line, for the user); an explicit
+    --device cuda or --backend nccl is refused. note is None when nothing was overridden.
+
+    Args:
+        requested: --backend, "auto" | "gloo" | "nccl".
+        device: --device, "auto" | "cpu" | "cuda".
+        local_world_size: ranks started on this machine (--nproc, or torchrun's LOCAL_WORLD_SIZE).
+    """
     if requested not in ("auto", "gloo", "nccl"):
         raise ValueError(f"--backend must be auto, gloo or nccl, got {requested!r}")
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"--device must be auto, cpu or cuda, got {device!r}")
-    use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
-    if use_cuda and not torch.cuda.is_available():
+    if local_world_size < 1:
+        raise ValueError(f"the local world size must be at least 1, got {local_world_size}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    use_cuda = gpus > 0 if device == "auto" else device == "cuda"
+    if use_cuda and gpus == 0:
         raise ValueError("--device cuda was asked for but no GPU is visible")
+    note = None
+    if use_cuda and gpus < local_world_size:
+        if device == "cuda" or requested == "nccl":
+            raise ValueError(f"{local_world_size} local ranks need one GPU each, but {gpus} GPU(s) are visible "
+                             f"(NCCL cannot put two ranks on one GPU): use --nproc {gpus} or fewer, or --device cpu")
+        use_cuda = False
+        note = (f"{local_world_size} local ranks but {gpus} GPU(s) visible: NCCL needs one GPU per rank, "
+                "so this run uses gloo on the CPU")
     backend = ("nccl" if use_cuda else "gloo") if requested == "auto" else requested
     if backend == "nccl" and not use_cuda:
         raise ValueError("--backend nccl needs --device cuda (NCCL runs on GPUs only)")
-    if use_cuda:
-        local = int(os.environ.get("LOCAL_RANK", "0"))
+    return backend, ("cuda" if use_cuda else "cpu"), note
+
+
+def pick_backend(requested: str = "auto", device: str = "auto",
+                 local_world_size: int | None = None) -> tuple[str, torch.device]:
+    """(backend, device) for this rank (choose_backend), with the rank's GPU made current.
+
+    local_world_size defaults to LOCAL_WORLD_SIZE from the environment (1 when unset);
+    the fallback note is printed once per machine, by local rank 0.
+    """
+    if local_world_size is None:
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    backend, device_type, note = choose_backend(requested, device, local_world_size)
+    if note and local == 0:
+        print(f"subnet-train: {note}", file=sys.stderr, flush=True)
+    if device_type == "cuda":
         torch.cuda.set_device(local % torch.cuda.device_count())
         return backend, torch.device("cuda", torch.cuda.current_device())
     return backend, torch.device("cpu")

@@ -13,7 +13,7 @@ import os
 import sys
 
 from ..planning.buckets import DEFAULT_BUCKET_CAP_MB
-from .launch import exit_worker, free_port, shutdown_distributed, spawn_local, under_torchrun
+from .launch import choose_backend, exit_worker, free_port, shutdown_distributed, spawn_local, under_torchrun
 
 METHODS = ("ddp", "fsdp", "sdp")
 MODELS = ("mlp", "resnet", "llama")
@@ -95,6 +95,10 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     _check_preset(p, args)
     if args.nproc is not None and args.nproc < 1:
         p.error(f"--nproc must be at least 1, got {args.nproc}")
+    try:  # refused here, before any worker starts (e.g. --device cuda --nproc 2 on one GPU)
+        choose_backend(args.backend, args.device, args.nproc or 1)
+    except ValueError as e:
+        p.error(str(e))
     if not (args.timeout > 0 and math.isfinite(args.timeout)):
         p.error(f"--timeout must be a positive, finite number of seconds, got {args.timeout}")
     if args.keep_last < 1:
@@ -178,6 +182,10 @@ def run(args: argparse.Namespace) -> dict | None:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
+    # Decided once here, so the workers get an explicit choice and the note prints once.
+    args.backend, args.device, note = choose_backend(args.backend, args.device, nproc)
+    if note:
+        print(f"subnet-train: {note}", file=sys.stderr, flush=True)
     if not args.out:  # the workers hand their report back through this folder
         import tempfile
 

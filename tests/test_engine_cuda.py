@@ -10,7 +10,7 @@ import subnet_ext as sx
 from subnet_ext.models import ResidualMLP
 from subnet_ext.testing import cuda_ready
 
-pytestmark = pytest.mark.skipif(not cuda_ready(), reason="needs a GPU and the CUDA kernels")
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not cuda_ready(), reason="needs a GPU and the CUDA kernels")]
 
 IN, CLASSES = 12, 5
 

@@ -36,12 +36,12 @@ def test_auto_falls_back_to_gloo_on_cpu_with_a_note(gpus):
     assert launch.choose_backend("auto", "auto", local_world_size=1) == ("nccl", "cuda", None)
 
 
-@pytest.mark.parametrize("backend,device", [("auto", "cuda"), ("nccl", "auto"), ("nccl", "cuda"),
+@pytest.mark.parametrize("backend,device_flag", [("auto", "cuda"), ("nccl", "auto"), ("nccl", "cuda"),
                                             ("gloo", "cuda")])
-def test_explicit_gpu_request_is_refused_naming_counts(gpus, backend, device):
+def test_explicit_gpu_request_is_refused_naming_counts(gpus, backend, device_flag):
     gpus(1)
     with pytest.raises(ValueError, match=r"3 local ranks need one GPU each, but 1 GPU\(s\) are visible"):
-        launch.choose_backend(backend, device, local_world_size=3)
+        launch.choose_backend(backend, device_flag, local_world_size=3)
 
 
 def test_bad_values_are_named(gpus):

@@ -277,6 +277,7 @@ def test_bad_backward_input():
         sx.masked_linear_grad_weight_(torch.zeros(len(oi), len(ii), dtype=torch.float64), g, x, oi, ii)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs a GPU")
 def test_index_on_wrong_device():
     x, w, b, oi, ii = operands("cuda", torch.float32, 0.5, compact=False)

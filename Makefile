@@ -17,9 +17,18 @@ $(VENV)/.deps: Makefile
 venv: $(VENV)/.deps
 
 # Builds the CPU kernels always and the CUDA kernels when torch has CUDA and nvcc is found
-# (SUBNET_EXT_CUDA=0|1 forces either way). ninja rebuilds only what changed.
-build: venv
+# (SUBNET_EXT_CUDA=0|1 forces either way). A file target: pip runs only when a kernel
+# source, setup.py, pyproject.toml or the environment is newer than the last build (then
+# ninja recompiles only what changed), so `make demo` / `make bench` twice build once.
+CSRC := $(shell find csrc -type f \( -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.cuh' \))
+BUILD_STAMP := build/subnet_ext.stamp
+
+$(BUILD_STAMP): $(VENV)/.deps $(CSRC) setup.py pyproject.toml
 	$(PIP) install -q --no-build-isolation --no-deps -e .
+	@mkdir -p $(@D)
+	touch $@
+
+build: $(BUILD_STAMP)
 
 test: build
 	$(PY) -c "import subnet_ext, json; print(json.dumps(subnet_ext.build_info()))"

@@ -1,7 +1,12 @@
-"""End-to-end step benchmark on CPU (gloo): torch DDP, torch FSDP2 and SDP side by side.
+"""End-to-end step benchmark (gloo): torch DDP, torch FSDP2 and SDP side by side.
 
     python bench/e2e.py                       # the full grid (make bench-e2e), ~20 min on 2 cores
     python bench/e2e.py --models tiny --worlds 2 --coverages 0.5 --steps 3   # a quick look
+    python bench/e2e.py --device cuda --methods ddp,sdp --sdp-variants block-forward --skip-overlap
+
+--device cuda puts every rank on GPU rank % GPU count (several ranks may share one GPU:
+the process group stays gloo, which, unlike NCCL, allows that); peak memory is then the
+CUDA allocator's peak instead of resident-memory growth.
 
 Grid: llama presets × world sizes × {ddp, fsdp, sdp (block|neuron) × (forward|backward) ×
 coverages}. Every configuration runs in fresh worker processes (one thread each, gloo on
@@ -43,6 +48,7 @@ class Config:
     coverage: float | None = None
     overlap: bool = True
     simulate: bool = False  # every rank simulates itself: no communication at all
+    device: str = "cpu"  # "cpu" or "cuda"
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
     steps: int = 6  # at least this many timed steps ...
     min_seconds: float = 3.0  # ... and at least this long (up to max_steps)
@@ -69,14 +75,18 @@ def measure(rank: int, world: int, cfg: Config) -> dict:
     from subnet_ext.planning.plan import plan_subnetworks
     from subnet_ext.cli.methods import DDPMethod, FSDPMethod, SDPMethod, proc_status_bytes
 
-    rss_before = proc_status_bytes("VmRSS")
+    device = torch.device("cpu")
+    if cfg.device == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    rss_before = proc_status_bytes("VmRSS") if device.type == "cpu" else torch.cuda.memory_allocated(device)
     torch.manual_seed(0)
-    model = build_model("llama", preset=cfg.model)
-    cpu = torch.device("cpu")
+    model = build_model("llama", preset=cfg.model).to(device)
     if cfg.method == "ddp":
-        method = DDPMethod(model, cpu, cfg.bucket_cap_mb)
+        method = DDPMethod(model, device, cfg.bucket_cap_mb)
     elif cfg.method == "fsdp":
-        method = FSDPMethod(model, cpu)
+        method = FSDPMethod(model, device)
     else:
         plan = plan_subnetworks(model, world_size=world, coverage=cfg.coverage, level=cfg.level)
         method = SDPMethod(model, plan, cfg.regime, 1, "none", bucket_cap_mb=cfg.bucket_cap_mb,
@@ -84,7 +94,8 @@ def measure(rank: int, world: int, cfg: Config) -> dict:
     optimizer = torch.optim.AdamW(method.parameters(), lr=1e-3)
     source = SyntheticTokens(LLAMA_PRESETS[cfg.model].vocab_size, cfg.seq_len, seed=0)
     gen = torch.Generator().manual_seed(1000 + rank)
-    pool = [source.batch(cfg.batch_size, gen) for _ in range(8)]  # made before timing, reused in turn
+    # Made before timing, reused in turn.
+    pool = [tuple(t.to(device) for t in source.batch(cfg.batch_size, gen)) for _ in range(8)]
     memory, taken = None, 0
 
     def train_step():
@@ -95,6 +106,8 @@ def measure(rank: int, world: int, cfg: Config) -> dict:
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
         loss.backward()
         optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # step times end when the GPU's work does
         if memory is None:
             memory = method.memory(optimizer)  # gradients still allocated
         optimizer.zero_grad(set_to_none=True)
@@ -115,9 +128,10 @@ def measure(rank: int, world: int, cfg: Config) -> dict:
         loss = train_step()
         ends.append(time.perf_counter())
     comm = method.comm()
+    peak = (proc_status_bytes("VmHWM") if device.type == "cpu" else torch.cuda.max_memory_allocated(device)) - rss_before
     steady = [b - a for a, b in zip(ends, ends[1:])]
     return {"step_s": statistics.median(steady), "timed_steps": timed, "model_state": memory["model_state"],
-            "peak_growth": proc_status_bytes("VmHWM") - rss_before, "comm_bytes": comm["bytes_per_step"],
+            "peak_growth": peak, "comm_bytes": comm["bytes_per_step"],
             "collectives": comm["collectives_per_step"], "loss": loss.item()}
 
 
@@ -149,10 +163,9 @@ def grid(opts) -> list[Config]:
         for world in opts.worlds:
             base = dict(model=model, world=world, steps=opts.steps, min_seconds=opts.min_seconds,
                         warmup=opts.warmup, batch_size=opts.batch_size, seq_len=opts.seq_len,
-                        bucket_cap_mb=opts.bucket_cap_mb)
-            configs.append(Config(method="ddp", **base))
-            configs.append(Config(method="fsdp", **base))
-            for level, regime in SDP_VARIANTS:
+                        bucket_cap_mb=opts.bucket_cap_mb, device=opts.device)
+            configs += [Config(method=m, **base) for m in ("ddp", "fsdp") if m in opts.methods]
+            for level, regime in (opts.sdp_variants if "sdp" in opts.methods else ()):
                 for c in opts.coverages:
                     configs.append(Config(method="sdp", level=level, regime=regime, coverage=c, **base))
     return configs
@@ -204,7 +217,7 @@ def overlap_experiment(opts) -> tuple[list[str], dict]:
     base = dict(model=opts.overlap_model, world=2, method="sdp", level="block", regime="forward", coverage=1.0,
                 steps=opts.steps, min_seconds=opts.min_seconds, warmup=opts.warmup,
                 batch_size=opts.overlap_batch_size, seq_len=opts.seq_len,
-                bucket_cap_mb=opts.overlap_bucket_cap_mb)
+                bucket_cap_mb=opts.overlap_bucket_cap_mb, device=opts.device)
     runs = {"overlap": Config(**base), "no overlap": Config(**base, overlap=False),
             "no communication": Config(**base, simulate=True)}
     res = {name: run_config(cfg) for name, cfg in runs.items()}
@@ -268,7 +281,20 @@ def parse(argv=None):
     p.add_argument("--overlap-bucket-cap-mb", type=float, default=1.0)
     p.add_argument("--overlap-batch-size", type=int, default=2)
     p.add_argument("--out", default="bench/results/e2e-cpu.md")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where every rank runs")
+    p.add_argument("--methods", default="ddp,fsdp,sdp", help="a subset of ddp,fsdp,sdp, comma-separated")
+    p.add_argument("--sdp-variants", default=",".join(f"{lv}-{rg}" for lv, rg in SDP_VARIANTS),
+                   help="SDP level-regime pairs, comma-separated (e.g. block-forward)")
+    p.add_argument("--skip-overlap", action="store_true", help="leave out the overlap experiment")
     opts = p.parse_args(argv)
+    opts.methods = opts.methods.split(",")
+    if not opts.methods or set(opts.methods) - set(METHOD_ORDER):
+        p.error(f"--methods must be a subset of {','.join(METHOD_ORDER)}, got {','.join(opts.methods)}")
+    opts.sdp_variants = [tuple(v.split("-", 1)) for v in opts.sdp_variants.split(",")]
+    if set(opts.sdp_variants) - set(SDP_VARIANTS):
+        p.error(f"--sdp-variants must be among {','.join(f'{a}-{b}' for a, b in SDP_VARIANTS)}")
+    if opts.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no GPU is visible")
     opts.models = opts.models.split(",")
     opts.worlds = [int(k) for k in opts.worlds.split(",")]
     opts.coverages = [float(c) for c in opts.coverages.split(",")]
@@ -284,10 +310,10 @@ def main(argv=None) -> int:
         results.append((cfg, r))
         shown = r.get("error") or f"{1e3 * r['step_s']:.1f} ms/step, model state {_mib(r['model_state'])} MiB"
         print(f"[e2e] {cfg.model} K={cfg.world} {cfg.label}: {shown}", flush=True)
-    overlap_lines, overlap_res = overlap_experiment(opts)
+    overlap_lines, overlap_res = ([], {}) if opts.skip_overlap else overlap_experiment(opts)
     command = "python bench/e2e.py " + " ".join(sys.argv[1:] if argv is None else argv)
     lines = [
-        "# End-to-end step benchmark (CPU, gloo)", "",
+        f"# End-to-end step benchmark ({opts.device.upper()}, gloo)", "",
         f"Command: `{command.strip()}` (`make bench-e2e`), {time.strftime('%Y-%m-%dT%H:%MZ', time.gmtime())}, "
         f"wall time {time.time() - started:.0f} s.",
         f"Machine: {os.cpu_count()} cores, {platform.processor() or platform.machine()}, torch {torch.__version__}; "
@@ -298,7 +324,10 @@ def main(argv=None) -> int:
         "Model state: parameters + gradients + optimizer state held by the worst rank (tensor accounting). "
         "Peak RSS growth: the worst rank's resident-memory high-water mark minus its resident memory before the "
         "model was built. Comm: bytes handed to collectives per step (DDP: counted in a comm hook; SDP: counted "
-        "by its communicator; FSDP2: predicted from its fixed schedule).", "",
+        "by its communicator; FSDP2: predicted from its fixed schedule).",
+        *([f"Device: {torch.cuda.get_device_name(0)}, ranks on GPU rank % {torch.cuda.device_count()}; the peak "
+           "RSS growth column is the CUDA allocator's peak minus what was allocated before the model was built."]
+          if opts.device == "cuda" else []), "",
         *main_table(results), *growth_tables(results, opts.models, opts.worlds), "", *overlap_lines,
         *targets(results, overlap_res, "small" if "small" in opts.models else opts.models[0]),
     ]

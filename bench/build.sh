@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Builds the standalone microbenchmarks into bench/bin/ from the library's own kernel
-# sources (csrc/*.cpp except the Python module, csrc/cpu/*.cpp; csrc/cuda/*.cu for the GPU
-# binaries), linked against libtorch. CPU binaries always; CUDA binaries when this build
-# of subnet_ext has CUDA kernels (then nvcc and CUDA_HOME are the ones setup.py resolved).
-# Objects are rebuilt only when their source (or a shared header) is newer.
+# Builds the standalone microbenchmarks into bench/bin/, linked against the library that
+# `make build` built (subnet_ext/_C*.so, which holds every kernel and registers the ops
+# when loaded; the benchmarks call them through the dispatcher) and libtorch, so no
+# kernel source is compiled a second time. CPU binaries always; CUDA binaries when this
+# build of subnet_ext has CUDA kernels. A binary is rebuilt only when its source, a shared
+# header or the library is newer.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -11,7 +12,7 @@ TORCH=$($PY -c "import torch, os; print(os.path.dirname(torch.__file__))")
 CXX=${CXX:-g++}
 FLAGS=(-O3 -std=c++20 -fopenmp -fPIC -DNDEBUG -Icsrc -Ibench -I"$TORCH/include" -I"$TORCH/include/torch/csrc/api/include")
 LIBS=(-L"$TORCH/lib" -Wl,-rpath,"$TORCH/lib" -Wl,--no-as-needed -ltorch -ltorch_cpu -lc10)
-mkdir -p bench/bin/obj
+mkdir -p bench/bin
 
 stale() {  # stale OUTPUT SOURCE...: OUTPUT is missing or older than a source or shared header
   local out=$1; shift
@@ -21,22 +22,22 @@ stale() {  # stale OUTPUT SOURCE...: OUTPUT is missing or older than a source or
   return 1
 }
 
-objs=()
-for src in csrc/*.cpp csrc/cpu/*.cpp; do
-  [[ $src == csrc/python_module.cpp ]] && continue
-  obj=bench/bin/obj/$(echo "${src%.cpp}" | tr / _).o
-  if stale "$obj" "$src"; then
-    echo "compile $src"
-    "$CXX" "${FLAGS[@]}" -c "$src" -o "$obj" &
-  fi
-  objs+=("$obj")
-done
-wait
+# The library itself, linked directly (rpath: its folder). Its one Python symbol
+# (PyModule_Create2, used only by PyInit__C, which a benchmark never calls) stays
+# unresolved: allowed at link time, and never bound at run time (lazy binding).
+LIB=$(ls subnet_ext/_C*.so 2>/dev/null | head -n 1)
+if [[ -z $LIB ]]; then
+  echo "bench/build.sh: no subnet_ext/_C*.so; build the package first (make build)" >&2
+  exit 1
+fi
+LIBDIR=$(cd "$(dirname "$LIB")" && pwd)
+objs=("$LIB")
+LIBS+=("$LIBDIR/$(basename "$LIB")" -Wl,-rpath,"$LIBDIR" -Wl,--allow-shlib-undefined -Wl,-z,lazy)
 
 for main in masked_linear_bench pack_segments_bench; do
   if stale bench/bin/$main bench/$main.cpp "${objs[@]}"; then
     echo "build bench/bin/$main"
-    "$CXX" "${FLAGS[@]}" bench/$main.cpp "${objs[@]}" -o bench/bin/$main "${LIBS[@]}" &
+    "$CXX" "${FLAGS[@]}" bench/$main.cpp -o bench/bin/$main "${LIBS[@]}" &
   fi
 done
 wait
@@ -49,32 +50,11 @@ if [[ $WITH_CUDA != 1 ]]; then
   echo "CUDA benchmarks not built: this build of subnet_ext has no CUDA kernels"
   exit 0
 fi
-NVCC=$CUDA_HOME/bin/nvcc
-GENCODE=()
-for arch in ${ARCHS//,/ }; do
-  a=${arch//./}
-  GENCODE+=(-gencode "arch=compute_$a,code=sm_$a")
-done
-# The half/bfloat16 switches torch's extension build passes to nvcc, so the kernels
-# compile here exactly as in the library.
-NVFLAGS=(-O3 -std=c++20 --expt-relaxed-constexpr -DNDEBUG -Xcompiler -fPIC "${GENCODE[@]}"
-         -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__
-         -D__CUDA_NO_HALF2_OPERATORS__ -Icsrc -I"$TORCH/include" -I"$TORCH/include/torch/csrc/api/include")
-cuda_objs=()
-for src in csrc/cuda/*.cu; do
-  obj=bench/bin/obj/$(echo "${src%.cu}" | tr / _).o
-  if stale "$obj" "$src"; then
-    echo "compile $src"
-    "$NVCC" "${NVFLAGS[@]}" -c "$src" -o "$obj"
-  fi
-  cuda_objs+=("$obj")
-done
 CUDA_LIBS=(-ltorch_cuda -lc10_cuda -L"$CUDA_HOME/lib64" -Wl,-rpath,"$CUDA_HOME/lib64" -lcudart)
 for main in masked_linear_cuda_bench pack_segments_cuda_bench; do
-  if stale bench/bin/$main bench/$main.cpp "${objs[@]}" "${cuda_objs[@]}"; then
+  if stale bench/bin/$main bench/$main.cpp "${objs[@]}"; then
     echo "build bench/bin/$main"
-    "$CXX" "${FLAGS[@]}" -I"$CUDA_HOME/include" bench/$main.cpp "${objs[@]}" "${cuda_objs[@]}" -o bench/bin/$main \
-      "${LIBS[@]}" "${CUDA_LIBS[@]}" &
+    "$CXX" "${FLAGS[@]}" -I"$CUDA_HOME/include" bench/$main.cpp -o bench/bin/$main "${LIBS[@]}" "${CUDA_LIBS[@]}" &
   fi
 done
 wait

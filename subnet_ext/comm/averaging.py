@@ -80,13 +80,15 @@ class BucketedAverager:
         rank: this rank in the plan's numbering.
         communicator: issues (or simulates) the collectives and counts them.
         device: where the buffers live.
-        resolvers: {"gradients": Resolver, "parameters": Resolver}.
+        layout: the rank's RankLayout (state/layout.py): its resolve_grad and resolve_value
+            say where each piece's gradient and value live.
         overlap: issue a bucket during the backward as soon as it is ready.
     """
 
     def __init__(self, buckets: list[Bucket], rank: int, communicator: Communicator, device: torch.device,
-                 resolvers: dict, overlap: bool = True):
-        self.comm, self.device, self.resolvers, self.overlap = communicator, device, resolvers, overlap
+                 layout, overlap: bool = True):
+        self.comm, self.device, self.overlap = communicator, device, overlap
+        self.resolvers = {"gradients": layout.resolve_grad, "parameters": layout.resolve_value}
         self.states = [_BucketState(b, rank, communicator.simulated) for b in buckets if rank in b.owners]
         self.buckets_of_piece = {}
         for i, s in enumerate(self.states):

@@ -36,9 +36,10 @@ from . import guard
 from ..state import optim_state
 from ..comm.collectives import as_timedelta
 from ..planning.costs import DEFAULT_LATENCY_BYTES, choose_strategy, predicted_comm
-from ..planning.pieces import global_pieces, local_starts, rectangle
+from ..planning.pieces import global_pieces
 from ..planning.plan import SubnetPlan, model_fingerprint
 from ..state.assembly import assemble, load_pieces
+from ..state.layout import RankLayout
 from .surgery import attach_direct_gradients, materialise_forward, prepare_backward
 
 REGIMES = ("forward", "backward")
@@ -149,30 +150,32 @@ class SubnetDataParallel(nn.Module):
         self._sync_initial_state(model)
         self.__dict__["_skeleton"] = _meta_skeleton(model)  # not a submodule: no state of its own
 
-        self.pieces = global_pieces(plan)
+        pieces = global_pieces(plan)
         if regime == "forward":
-            self._hooks = materialise_forward(model, plan, self.pieces, self.rank, scale)
-            self._piece_params, self._value_refs = {}, {}
+            self._hooks = materialise_forward(model, plan, pieces, self.rank, scale)
+            piece_params, value_refs = {}, {}
         else:
             self._hooks = []
-            self._piece_params, self._value_refs = prepare_backward(model, plan, self.pieces, self.rank)
+            piece_params, value_refs = prepare_backward(model, plan, pieces, self.rank)
         self.module = model
-        self.local_start = local_starts(self.pieces, self.rank, compact=regime == "forward")
-        self.integer_entries = self._integer_entries()
+        self.layout = RankLayout(plan, self.rank, self.world_size, self.device, model, compact=regime == "forward",
+                                 piece_params=piece_params, value_refs=value_refs)
+        self.pieces, self.local_start = self.layout.pieces, self.layout.local_start
+        self.integer_entries = self.layout.integer_entries
 
         self._setup_communication(strategy, latency_bytes, bucket_cap_mb * 2**20, overlap, timeout)
         self._trainable = [p for p in model.parameters() if p.requires_grad]
         self._trainable_ids = {id(p) for p in self._trainable}
-        self._pieces_of_param = self._map_pieces_to_parameters()
+        self._pieces_of_param = self.layout.pieces_by_parameter(self._trainable_ids)
         # Backward regime: the masked kernel writes owned weight gradients into their buckets.
         self.direct_gradient_runs = 0
         if regime == "backward" and sync_every == 1:
             self.direct_gradient_runs = attach_direct_gradients(
-                model, self._piece_params, self._averager.direct_gradient_view,
+                model, self.layout.piece_params, self._averager.direct_gradient_view,
                 _weak_call(weakref.ref(self), lambda engine, piece: engine._pieces_ready((piece,))))
             # Their readiness comes from the kernel's call, not from the (empty) accumulate hook.
             for direct in {p for s in self._averager.states for p in s.direct}:
-                del self._pieces_of_param[id(self._piece_params[direct])]
+                del self._pieces_of_param[id(self.layout.piece_params[direct])]
         self._queued = False
         self._sync_grads = True  # False inside no_sync()
         self.optimizer_steps = 0
@@ -198,75 +201,20 @@ class SubnetDataParallel(nn.Module):
         owner_sets = [b.owners for b in self.buckets]  # the groups averaging uses; the refresh uses the world
         self._comm = SimulatedCommunicator(self.world_size, self.rank, self.counter) if self.simulated else \
             Communicator(owner_sets, self.world_size, self.rank, self.process_group, self.counter, timeout)
-        self._averager = BucketedAverager(self.buckets, self.rank, self._comm, self.device,
-                                          {"gradients": self._resolve_grad, "parameters": self._resolve_value},
+        self._averager = BucketedAverager(self.buckets, self.rank, self._comm, self.device, self.layout,
                                           overlap=overlap)
-        self._refresh = CopyRefresher(self.pieces, self.rank, self.world_size, self._resolve_value, self._comm) \
+        self._refresh = CopyRefresher(self.pieces, self.rank, self.world_size, self.layout.resolve_value,
+                                      self._comm) \
             if self.regime == "backward" else None
 
     # ------------------------------------------------------------------ lookup
     def value_of(self, name: str) -> torch.Tensor:
         """The local tensor holding state-dict entry `name` (compact in the forward regime)."""
-        if name in self._value_refs:
-            module, attr = self._value_refs[name]
-            return getattr(module, attr)
-        path, _, leaf = name.rpartition(".")
-        module = self.module.get_submodule(path)
-        if leaf in module._parameters:
-            return module._parameters[leaf]
-        return module._buffers[leaf]
-
-    def _integer_entries(self) -> dict:
-        """Non-float entries (e.g. BatchNorm's num_batches_tracked) -> the rank that reports them."""
-        out = {}
-        block_of = {n: a for g, (a, _) in zip(self.plan.groups, self.plan.unit_ranges) for n in g.params + g.buffers}
-        for name in self.plan.tensor_shapes:
-            if self.plan.is_float(name):
-                continue
-            unit = block_of.get(name)
-            out[name] = 0 if unit is None else int(torch.nonzero(self.plan.owners[:, unit])[0])
-        return out
+        return self.layout.value_of(name)
 
     def holds_whole(self, name: str) -> bool:
-        try:
-            self.value_of(name)
-            return True
-        except (AttributeError, KeyError):
-            return False
-
-    def _map_pieces_to_parameters(self) -> dict:
-        """id(trainable parameter) -> the pieces held here whose gradient it carries."""
-        out = {}
-        for p in self.pieces:
-            if not p.is_param or self.rank not in p.owners:
-                continue
-            param = self._piece_params.get(p)
-            if param is None:
-                param = self.value_of(p.name)
-            if id(param) in self._trainable_ids:
-                out.setdefault(id(param), []).append(p)
-        return out
-
-    def _resolve_value(self, piece):
-        t = self.value_of(piece.name)
-        return t, rectangle(t.shape, piece.dim, self.local_start[piece], piece.length)
-
-    def _resolve_grad(self, piece):
-        if not piece.is_param:
-            return self._resolve_value(piece)  # buffers (norm statistics) are averaged as values
-        if piece in self._piece_params:
-            param, rect_of = self._piece_params[piece], None
-        else:
-            param = self.value_of(piece.name)
-            rect_of = (piece.dim, self.local_start[piece], piece.length)
-        if param.grad is None:
-            param.grad = torch.zeros_like(param, memory_format=torch.contiguous_format)
-        elif not param.grad.is_contiguous():
-            param.grad = param.grad.contiguous()
-        g = param.grad
-        rect = rectangle(g.shape, 0, 0, g.shape[0] if g.dim() else 1) if rect_of is None else \
-            rectangle(g.shape, *rect_of)
-        return g, rect
+        """True when this rank holds state-dict entry `name` as a local tensor."""
+        return self.layout.holds_whole(name)
 
     # ------------------------------------------------------------------ sync points
     def _sync_initial_state(self, model: nn.Module) -> None:
@@ -274,16 +222,8 @@ class SubnetDataParallel(nn.Module):
         if self.world_size == 1 or self.simulated or not dist.is_initialized():
             return
         src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
-        tensors = [t for t in model.state_dict(keep_vars=True).values()]
-        by_dtype = {}
-        for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
-        with torch.no_grad():
-            for ts in by_dtype.values():
-                flat = torch.cat([t.detach().reshape(-1) for t in ts])
-                collectives.broadcast(flat, src, self.process_group, self.timeout)
-                for t, part in zip(ts, flat.split([t.numel() for t in ts])):
-                    t.copy_(part.view(t.shape))
+        collectives.broadcast_by_dtype(list(model.state_dict(keep_vars=True).values()), src, self.process_group,
+                                       self.timeout)
 
     def _on_grad_ready(self, param) -> None:
         self._pieces_ready(self._pieces_of_param.get(id(param), ()))
@@ -351,32 +291,32 @@ class SubnetDataParallel(nn.Module):
 
         Collective: every rank must call it."""
         self._refuse_if_simulated("full_state_dict")
-        return assemble(self, reduce=True)
+        return assemble(self.layout, reduce=True, process_group=self.process_group, timeout=self.timeout)
 
     def local_full_state_dict(self) -> dict:
         """This rank's values in the original names and shapes, NaN where it holds nothing."""
         if self.regime == "backward":
             return {n: self.value_of(n).detach().clone() for n in self.plan.tensor_shapes}
-        return assemble(self, reduce=False)
+        return assemble(self.layout, reduce=False)
 
     def load_full_state_dict(self, state_dict: dict) -> None:
         """Start from a full-model state dict (e.g. a checkpoint of the unmasked model)."""
-        load_pieces(self, state_dict)
+        load_pieces(self.layout, state_dict)
 
     def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         """The optimizer's state in the original names and shapes, identical on every rank:
         {"state": {name: {"exp_avg": tensor, ..., "step": 0-d}}, "param_groups": [...]}.
         Loads on any plan of the same model. Collective. See optim_state.py."""
-        return optim_state.full_optimizer_state_dict(self, optimizer)
+        return optim_state.full_optimizer_state_dict(self.layout, optimizer, self.process_group, self.timeout)
 
     def load_full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
         """Give `optimizer` (over this engine's parameters) its share of a full optimizer state."""
-        optim_state.load_full_optimizer_state_dict(self, optimizer, state)
+        optim_state.load_full_optimizer_state_dict(self.layout, optimizer, state)
 
     def verify_consistency(self) -> None:
         """Raise ConsistencyError naming the unit and the ranks unless the owners of every
         unit hold bit-identical values. Collective; call it at a synchronisation point."""
-        consistency.verify_consistency(self)
+        consistency.verify_consistency(self.layout, self.process_group, self.timeout)
 
     def gradients_finite(self) -> bool:
         """True when every rank's gradients are finite (one all-reduced flag); when False,
@@ -458,7 +398,7 @@ class SubnetDataParallel(nn.Module):
                     total += key[1]
             return total
 
-        params = nbytes(list(self.module.parameters()) + [getattr(m, a) for m, a in self._value_refs.values()])
+        params = nbytes(list(self.module.parameters()) + self.layout.local_tensors())
         bucket_storages = self._averager.buffer_storages()
         grad_list = [p.grad for p in self.module.parameters() if p.grad is not None]
         in_buffers = {(g.data_ptr(), g.numel() * g.element_size()) for g in grad_list

@@ -63,32 +63,27 @@ def piece_key(piece: Piece) -> str:
     return f"{piece.name}|{piece.dim}:{piece.start}:{piece.length}"
 
 
-def model_slots(engine) -> list[Slot]:
+def model_slots(layout) -> list[Slot]:
     """Every piece whose value this rank holds (the owned ones in the forward regime; all of
-    them in the backward regime, where every rank keeps full copies)."""
+    them in the backward regime, where every rank keeps full copies). `layout`: RankLayout."""
     out = []
-    for p, start in engine.local_start.items():
-        t = engine.value_of(p.name)
-        out.append(Slot(p, t, rectangle(t.shape, p.dim, start, p.length), full_rect(engine.plan, p)))
+    for p in layout.local_start:
+        t, local = layout.resolve_value(p)
+        out.append(Slot(p, t, local, full_rect(layout.plan, p)))
     return out
 
 
-def optimizer_slots(engine, optimizer) -> list[Slot]:
-    """Every owned parameter piece the optimizer updates, with the parameter it lives in."""
+def optimizer_slots(layout, optimizer) -> list[Slot]:
+    """Every owned parameter piece the optimizer updates, with the parameter it lives in
+    (backward regime, neuron level: the owned-slice Parameter itself). `layout`: RankLayout."""
     in_optimizer = {id(q) for g in optimizer.param_groups for q in g["params"]}
     out = []
-    for p in engine.pieces:
-        if not p.is_param or engine.rank not in p.owners:
+    for p in layout.pieces:
+        if not p.is_param or not layout.owns(p):
             continue
-        # Backward regime, neuron level: the optimizer's parameter is the owned slice itself.
-        own = engine._piece_params.get(p)
-        if own is not None:
-            param, local = own, rectangle(own.shape, p.dim, 0, p.length)
-        else:
-            param = engine.value_of(p.name)
-            local = rectangle(param.shape, p.dim, engine.local_start[p], p.length)
+        param, local = layout.optimizer_param(p)
         if id(param) in in_optimizer:
-            out.append(Slot(p, param, local, full_rect(engine.plan, p), param))
+            out.append(Slot(p, param, local, full_rect(layout.plan, p), param))
     return out
 
 

@@ -17,17 +17,16 @@ collectives in one global order, so they cannot deadlock.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import weakref
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.autograd import Variable
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ..comm.averaging import BucketedAverager, CopyRefresher
+from ..comm.averaging import BucketedAverager
+from ..comm.refresh import CopyRefresher
 from ..planning.buckets import DEFAULT_BUCKET_CAP_MB, build_buckets
 from ..comm.communicator import CommCounter, Communicator, SimulatedCommunicator
 from ..comm import collectives
@@ -163,25 +162,19 @@ class SubnetDataParallel(nn.Module):
         self.pieces, self.local_start = self.layout.pieces, self.layout.local_start
         self.integer_entries = self.layout.integer_entries
 
-        self._setup_communication(strategy, latency_bytes, bucket_cap_mb * 2**20, overlap, timeout)
         self._trainable = [p for p in model.parameters() if p.requires_grad]
         self._trainable_ids = {id(p) for p in self._trainable}
-        self._pieces_of_param = self.layout.pieces_by_parameter(self._trainable_ids)
+        self._setup_communication(strategy, latency_bytes, bucket_cap_mb * 2**20, overlap, timeout)
         # Backward regime: the masked kernel writes owned weight gradients into their buckets.
         self.direct_gradient_runs = 0
         if regime == "backward" and sync_every == 1:
             self.direct_gradient_runs = attach_direct_gradients(
                 model, self.layout.piece_params, self._averager.direct_gradient_view,
-                _weak_call(weakref.ref(self), lambda engine, piece: engine._pieces_ready((piece,))))
-            # Their readiness comes from the kernel's call, not from the (empty) accumulate hook.
-            for direct in {p for s in self._averager.states for p in s.direct}:
-                del self._pieces_of_param[id(self.layout.piece_params[direct])]
-        self._queued = False
-        self._sync_grads = True  # False inside no_sync()
+                _weak_call(weakref.ref(self), lambda engine, piece: engine._averager.on_grad_ready((piece,))))
         self.optimizer_steps = 0
         for p in self._trainable:
             self._hooks.append(p.register_post_accumulate_grad_hook(
-                _weak_call(weakref.ref(self), SubnetDataParallel._on_grad_ready)))
+                _weak_call(weakref.ref(self), lambda engine, param: engine._averager.on_param_grad_ready(param))))
         # Hooks hold the engine weakly. The optimizer-hook registry is global, and a tensor's
         # hooks are kept from C++, where Python's garbage collector cannot see the cycle
         # parameter -> hook -> engine -> module -> parameter: strong references would keep
@@ -202,7 +195,8 @@ class SubnetDataParallel(nn.Module):
         self._comm = SimulatedCommunicator(self.world_size, self.rank, self.counter) if self.simulated else \
             Communicator(owner_sets, self.world_size, self.rank, self.process_group, self.counter, timeout)
         self._averager = BucketedAverager(self.buckets, self.rank, self._comm, self.device, self.layout,
-                                          overlap=overlap)
+                                          overlap=overlap, trainable_ids=self._trainable_ids,
+                                          average_gradients=self.sync_every == 1)
         self._refresh = CopyRefresher(self.pieces, self.rank, self.world_size, self.layout.resolve_value,
                                       self._comm) \
             if self.regime == "backward" else None
@@ -225,25 +219,6 @@ class SubnetDataParallel(nn.Module):
         collectives.broadcast_by_dtype(list(model.state_dict(keep_vars=True).values()), src, self.process_group,
                                        self.timeout)
 
-    def _on_grad_ready(self, param) -> None:
-        self._pieces_ready(self._pieces_of_param.get(id(param), ()))
-
-    def _pieces_ready(self, pieces) -> None:
-        """The gradients of these held pieces are final for this backward."""
-        if self.sync_every != 1 or not self._sync_grads:
-            return  # local SGD (parameters are averaged after optimizer steps instead), or no_sync()
-        if not self._queued:
-            self._queued = True
-            self._averager.start_backward()
-            Variable._execution_engine.queue_callback(self._after_backward)
-        with torch.no_grad():
-            self._averager.grad_ready(pieces)
-
-    def _after_backward(self) -> None:
-        self._queued = False
-        with torch.no_grad():
-            self._averager.finish("gradients")
-
     def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
         if not any(id(p) in self._trainable_ids for g in optimizer.param_groups for p in g["params"]):
             return
@@ -263,7 +238,6 @@ class SubnetDataParallel(nn.Module):
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
-    @contextlib.contextmanager
     def no_sync(self):
         """Gradient accumulation without communication, as torch DDP's `no_sync()`.
 
@@ -275,12 +249,7 @@ class SubnetDataParallel(nn.Module):
             loss_fn(sdp(x1), y1).backward()   # averages grad(x0) + grad(x1)
             optimizer.step()
         """
-        previous = self._sync_grads
-        self._sync_grads = False
-        try:
-            yield
-        finally:
-            self._sync_grads = previous
+        return self._averager.no_sync()
 
     def parameters(self, recurse: bool = True):
         """What the optimizer must update: this rank's owned (and shared) parameters."""

@@ -31,10 +31,10 @@ from ..planning.buckets import DEFAULT_BUCKET_CAP_MB, build_buckets
 from ..comm.communicator import CommCounter, Communicator, SimulatedCommunicator
 from ..comm import collectives
 from ..state import consistency
-from . import guard
+from . import guard, reports
 from ..state import optim_state
 from ..comm.collectives import as_timedelta
-from ..planning.costs import DEFAULT_LATENCY_BYTES, choose_strategy, predicted_comm
+from ..planning.costs import DEFAULT_LATENCY_BYTES, choose_strategy
 from ..planning.pieces import global_pieces
 from ..planning.plan import SubnetPlan, model_fingerprint
 from ..state.assembly import assemble, load_pieces
@@ -331,20 +331,11 @@ class SubnetDataParallel(nn.Module):
                              "this rank's subnetwork")
 
     def comm_stats(self) -> dict:
-        """Bytes handed to collectives and collectives issued, in total and per optimizer step."""
-        steps = max(1, self.counter.steps)
-        return {
-            "strategy": self.strategy, "strategy_costs": self.strategy_costs, "steps": self.counter.steps,
-            "bytes": self.counter.bytes, "collectives": self.counter.collectives,
-            "bytes_per_step": self.counter.bytes / steps, "collectives_per_step": self.counter.collectives / steps,
-            "by_kind": dict(self.counter.by_kind),
-            "predicted_per_sync": predicted_comm(self.plan, self.rank, self.strategy, self.regime,
-                                                 self.bucket_cap_bytes),
-            "buckets": len(self._averager.states), "overlap": self._averager.overlap,
-            "buckets_issued_during_backward": self._averager.issued_during_backward,
-            "direct_gradient_runs": self.direct_gradient_runs,
-            "simulated": self.simulated,
-        }
+        """Bytes handed to collectives and collectives issued, in total and per optimizer step,
+        beside the cost model's prediction per synchronisation (see reports.comm_stats)."""
+        return reports.comm_stats(self.counter, self.plan, self.rank, self.strategy, self.strategy_costs,
+                                  self.regime, self.bucket_cap_bytes, self._averager,
+                                  self.direct_gradient_runs, self.simulated)
 
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict:
         """Bytes this rank holds: parameters, gradients, optimizer state, buffers.
@@ -354,45 +345,12 @@ class SubnetDataParallel(nn.Module):
         straight into a communication bucket counts its own bytes as a gradient (not the
         whole bucket); `communication_buffers` counts the buckets whole, so the two
         overlap by `gradients_in_buffers`."""
-        seen = set()
-
-        def nbytes(ts):
-            total = 0
-            for t in ts:
-                if t is None or t.device.type == "meta":
-                    continue
-                key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-                if key not in seen:
-                    seen.add(key)
-                    total += key[1]
-            return total
-
-        params = nbytes(list(self.module.parameters()) + self.layout.local_tensors())
-        bucket_storages = self._averager.buffer_storages()
-        grad_list = [p.grad for p in self.module.parameters() if p.grad is not None]
-        in_buffers = {(g.data_ptr(), g.numel() * g.element_size()) for g in grad_list
-                      if g.untyped_storage().data_ptr() in bucket_storages}
-        grads = nbytes([g for g in grad_list if g.untyped_storage().data_ptr() not in bucket_storages])
-        in_buffer_bytes = sum(n for _, n in in_buffers)
-        grads += in_buffer_bytes
-        state = 0
-        if optimizer is not None:
-            state = nbytes([v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)])
-        buffers = nbytes(list(self.module.buffers()))
-        # Peak activations are measurable on CUDA (allocator peak, which includes the model
-        # state); on CPU the training loop measures them with saved-tensor accounting.
-        peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
-        return {"parameters": params, "gradients": grads, "optimizer_state": state, "buffers": buffers,
-                "model_state": params + grads + state, "peak_allocated": peak,
-                "communication_buffers": self._averager.buffer_bytes,
-                "gradients_in_buffers": in_buffer_bytes}
+        return reports.memory_report(self.module, self.layout.local_tensors(), self._averager, self.device,
+                                     optimizer)
 
     def predicted_model_state_bytes(self, optimizer_state_per_param: float = 2.0) -> float:
         """Plan's prediction of parameters + gradients + optimizer state (Adam: 2 x params)."""
-        own = float(self.plan.bytes_per_rank[self.rank])
-        if self.regime == "backward":
-            return self.plan.full_bytes + own * (1 + optimizer_state_per_param)
-        return own * (2 + optimizer_state_per_param)
+        return reports.predicted_model_state_bytes(self.plan, self.rank, self.regime, optimizer_state_per_param)
 
     def extra_repr(self) -> str:
         return (f"regime={self.regime!r}, level={self.plan.level!r}, rank={self.rank}/{self.world_size}, "

@@ -39,6 +39,7 @@ from ..planning.pieces import global_pieces
 from ..planning.plan import SubnetPlan, model_fingerprint
 from ..state.assembly import assemble, load_pieces
 from ..state.layout import RankLayout
+from .restore import restore_structure
 from .surgery import attach_direct_gradients, materialise_forward, prepare_backward
 
 REGIMES = ("forward", "backward")
@@ -154,8 +155,7 @@ class SubnetDataParallel(nn.Module):
             self._hooks = materialise_forward(model, plan, pieces, self.rank, scale)
             piece_params, value_refs = {}, {}
         else:
-            self._hooks = []
-            piece_params, value_refs = prepare_backward(model, plan, pieces, self.rank)
+            piece_params, value_refs, self._hooks = prepare_backward(model, plan, pieces, self.rank)
         self.module = model
         self.layout = RankLayout(plan, self.rank, self.world_size, self.device, model, compact=regime == "forward",
                                  piece_params=piece_params, value_refs=value_refs)
@@ -204,10 +204,12 @@ class SubnetDataParallel(nn.Module):
     # ------------------------------------------------------------------ lookup
     def value_of(self, name: str) -> torch.Tensor:
         """The local tensor holding state-dict entry `name` (compact in the forward regime)."""
+        self._check_open("value_of")
         return self.layout.value_of(name)
 
     def holds_whole(self, name: str) -> bool:
         """True when this rank holds state-dict entry `name` as a local tensor."""
+        self._check_open("holds_whole")
         return self.layout.holds_whole(name)
 
     # ------------------------------------------------------------------ sync points
@@ -226,6 +228,7 @@ class SubnetDataParallel(nn.Module):
 
     def after_step(self) -> None:
         """Called after each optimizer step (automatically for torch.optim optimizers)."""
+        self._check_open("after_step")
         self.optimizer_steps += 1
         self.counter.steps += 1
         with torch.no_grad():
@@ -236,6 +239,7 @@ class SubnetDataParallel(nn.Module):
 
     # ------------------------------------------------------------------ public API
     def forward(self, *args, **kwargs):
+        self._check_open("forward")
         return self.module(*args, **kwargs)
 
     def no_sync(self):
@@ -249,51 +253,61 @@ class SubnetDataParallel(nn.Module):
             loss_fn(sdp(x1), y1).backward()   # averages grad(x0) + grad(x1)
             optimizer.step()
         """
+        self._check_open("no_sync")
         return self._averager.no_sync()
 
     def parameters(self, recurse: bool = True):
         """What the optimizer must update: this rank's owned (and shared) parameters."""
+        self._check_open("parameters")
         return iter(self._trainable)
 
     def full_state_dict(self) -> dict:
         """The whole model's state dict (original names and shapes), identical on every rank.
 
         Collective: every rank must call it."""
+        self._check_open("full_state_dict")
         self._refuse_if_simulated("full_state_dict")
         return assemble(self.layout, reduce=True, process_group=self.process_group, timeout=self.timeout)
 
     def local_full_state_dict(self) -> dict:
         """This rank's values in the original names and shapes, NaN where it holds nothing."""
+        self._check_open("local_full_state_dict")
         if self.regime == "backward":
             return {n: self.value_of(n).detach().clone() for n in self.plan.tensor_shapes}
         return assemble(self.layout, reduce=False)
 
     def load_full_state_dict(self, state_dict: dict) -> None:
         """Start from a full-model state dict (e.g. a checkpoint of the unmasked model)."""
+        self._check_open("load_full_state_dict")
         load_pieces(self.layout, state_dict)
 
     def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         """The optimizer's state in the original names and shapes, identical on every rank:
         {"state": {name: {"exp_avg": tensor, ..., "step": 0-d}}, "param_groups": [...]}.
         Loads on any plan of the same model. Collective. See optim_state.py."""
+        self._check_open("full_optimizer_state_dict")
         return optim_state.full_optimizer_state_dict(self.layout, optimizer, self.process_group, self.timeout)
 
     def load_full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
         """Give `optimizer` (over this engine's parameters) its share of a full optimizer state."""
+        self._check_open("load_full_optimizer_state_dict")
         optim_state.load_full_optimizer_state_dict(self.layout, optimizer, state)
 
     def verify_consistency(self) -> None:
         """Raise ConsistencyError naming the unit and the ranks unless the owners of every
         unit hold bit-identical values. Collective; call it at a synchronisation point."""
+        self._check_open("verify_consistency")
         consistency.verify_consistency(self.layout, self.process_group, self.timeout)
 
     def gradients_finite(self) -> bool:
         """True when every rank's gradients are finite (one all-reduced flag); when False,
         skip optimizer.step() on every rank. Collective. See guard.py."""
+        self._check_open("gradients_finite")
         return guard.gradients_finite(self._trainable, self.process_group, self.timeout)
 
     def full_model(self) -> nn.Module:
         """A new, unmasked model holding the assembled full state (collective)."""
+        self._check_open("full_model")
         model = copy.deepcopy(self._skeleton)
         model.load_state_dict(self.full_state_dict(), assign=True)
         return model
@@ -302,6 +316,7 @@ class SubnetDataParallel(nn.Module):
     def evaluate(self, *inputs, modes=("full", "ensemble")) -> dict:
         """{"full": the union of subnetworks' output, "ensemble": mean of the ranks' subnetwork
         outputs (one all-reduce)}. Collective; runs in eval mode and restores the mode."""
+        self._check_open("evaluate")
         bad = [m for m in modes if m not in ("full", "ensemble")]
         if bad:
             raise ValueError(f"evaluate modes must be 'full' and/or 'ensemble', got {bad}")
@@ -333,6 +348,7 @@ class SubnetDataParallel(nn.Module):
     def comm_stats(self) -> dict:
         """Bytes handed to collectives and collectives issued, in total and per optimizer step,
         beside the cost model's prediction per synchronisation (see reports.comm_stats)."""
+        self._check_open("comm_stats")
         return reports.comm_stats(self.counter, self.plan, self.rank, self.strategy, self.strategy_costs,
                                   self.regime, self.bucket_cap_bytes, self._averager,
                                   self.direct_gradient_runs, self.simulated)
@@ -345,6 +361,7 @@ class SubnetDataParallel(nn.Module):
         straight into a communication bucket counts its own bytes as a gradient (not the
         whole bucket); `communication_buffers` counts the buckets whole, so the two
         overlap by `gradients_in_buffers`."""
+        self._check_open("memory_report")
         return reports.memory_report(self.module, self.layout.local_tensors(), self._averager, self.device,
                                      optimizer)
 
@@ -356,7 +373,28 @@ class SubnetDataParallel(nn.Module):
         return (f"regime={self.regime!r}, level={self.plan.level!r}, rank={self.rank}/{self.world_size}, "
                 f"coverage={self.plan.coverage}, sync_every={self.sync_every}, strategy={self.strategy!r}")
 
-    def remove_hooks(self) -> None:
+    def close(self) -> None:
+        """Give the wrapped model back as it was before wrapping, holding the trained values.
+
+        Collective (assembles the full state first). Every module gets back its type
+        (skipped blocks), full-shaped Parameters (not compact ones or owned views), width
+        attributes, hooks and attributes as before; the engine's hooks are removed; then
+        the assembled full state is loaded into the model. The engine refuses further use.
+        """
+        self._check_open("close")
+        full = self.full_state_dict()
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        restore_structure(self.module, self._skeleton, self.device)
+        self.module.load_state_dict(full)
+        self._closed = True
+
+    def remove_hooks(self) -> None:
+        """Alias of close() (collective): restores the model and removes every hook."""
+        self.close()
+
+    def _check_open(self, what: str) -> None:
+        if self.__dict__.get("_closed", False):
+            raise RuntimeError(f"SubnetDataParallel.{what}: this engine was closed; the model it wrapped is a "
+                               "plain model again. Wrap it in a new SubnetDataParallel to train it with SDP.")

@@ -30,6 +30,12 @@ FIXED = ("method", "model", "preset", "data", "width", "seed")
 RECORDED = FIXED + ("level", "regime", "coverage", "sync_every", "scale")
 
 
+def stream_seed(seed: int, step: int, rank: int) -> int:
+    """The random seed of (run seed, step, rank): distinct per rank and step, the same
+    after a restart (used for batches and for RNG states a checkpoint lacks)."""
+    return (seed * 1_000_003 + step) * 4099 + rank
+
+
 def identity(args) -> dict:
     return {k: getattr(args, k, None) for k in RECORDED}
 
@@ -59,7 +65,7 @@ def restore_rng(saved_ranks: list, rank: int, world: int, seed: int, step: int) 
         if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all([_decode(s) for s in cuda])
         return
-    torch.manual_seed((seed * 1_000_003 + step) * 4099 + rank)
+    torch.manual_seed(stream_seed(seed, step, rank))
 
 
 # ----------------------------------------------------------------------------- method state

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from ..comm import collectives
-from ..planning.pieces import global_pieces
-from .slots import area, as_2d, copy_overlaps, full_rect, model_slots, optimizer_slots, overlapping, piece_key
+from ..planning.pieces import full_rectangle, global_pieces
+from .slots import area, as_2d, copy_overlaps, model_slots, optimizer_slots, overlapping, piece_key
 
 MODEL, OPTIM = "model/", "optim/"
 
@@ -257,7 +257,7 @@ def load_sharded_state_dict(layout, optimizer, saved_plan, info: dict, available
                          f"{saved_plan.fingerprint}, this model {layout.plan.fingerprint})")
     saved = {}
     for p in global_pieces(saved_plan):
-        saved.setdefault(p.name, []).append((full_rect(saved_plan, p), piece_key(p), p.is_param))
+        saved.setdefault(p.name, []).append((full_rectangle(saved_plan, p), piece_key(p), p.is_param))
     request = {}
 
     def want(key):

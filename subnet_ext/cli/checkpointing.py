@@ -165,7 +165,8 @@ def _assemble_sdp(folder, manifest, available) -> dict:
     from ..state.optim_state import MODEL
     from ..planning.pieces import global_pieces
     from ..planning.plan import SubnetPlan
-    from ..state.slots import as_2d, full_rect, piece_key
+    from ..planning.pieces import full_rectangle
+    from ..state.slots import as_2d, piece_key
 
     plan = SubnetPlan.from_json(manifest["plan"])
     out = {n: torch.zeros(shape, dtype=getattr(torch, plan.tensor_dtypes[n]))
@@ -177,7 +178,7 @@ def _assemble_sdp(folder, manifest, available) -> dict:
                     if not plan.is_float(n)})
     read_state(folder, request)
     for p in pieces:
-        r0, r1, c0, c1 = full_rect(plan, p)
+        r0, r1, c0, c1 = full_rectangle(plan, p)
         as_2d(out[p.name])[r0:r1, c0:c1].copy_(request[MODEL + piece_key(p)])
     for n in out:
         if not plan.is_float(n):

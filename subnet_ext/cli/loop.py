@@ -11,7 +11,7 @@ collective has a deadline (`--timeout`).
 """
 from __future__ import annotations
 
-import json
+import contextlib
 import sys
 import time
 from argparse import Namespace
@@ -92,7 +92,7 @@ def run_worker(args: Namespace) -> dict | None:
         x, y = x.to(device), y.to(device)
         t0 = time.perf_counter()
         meter = ActivationMeter() if activation_bytes is None else None
-        with meter if meter is not None else _nothing():
+        with meter if meter is not None else contextlib.nullcontext():
             loss = task.loss(method(x), y)
         loss.backward()
         if activation_bytes is None:
@@ -185,14 +185,6 @@ def _median(xs):
     return xs[len(xs) // 2] if xs else 0.0
 
 
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 def _progress(rank, start, total):
     from tqdm import tqdm
 
@@ -200,7 +192,3 @@ def _progress(rank, start, total):
     return tqdm(total=total, initial=start, disable=rank != 0 or not sys.stderr.isatty(), desc="train",
                 leave=False, dynamic_ncols=True, mininterval=0.5)
 
-
-def dump_json(obj, path):
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2, default=str)

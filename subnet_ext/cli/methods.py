@@ -175,7 +175,6 @@ class FSDPMethod(Method):
             fully_shard(block)
         fully_shard(model)
         self.steps = 0
-        self.full_numel = None
 
     def after_step(self):
         self.steps += 1

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data.sharding import ShardedBatches
+from .checkpointing import stream_seed
 from ..models.registry import build_model
 
 
@@ -122,7 +123,7 @@ def _language_task(data, preset, batch_size, seq_len, seed, eval_steps=4):
 
     def batch(step, rank, world):
         # Distinct streams per (rank, step); the same after a restart.
-        gen = torch.Generator().manual_seed((seed * 1_000_003 + step) * 4099 + rank)
+        gen = torch.Generator().manual_seed(stream_seed(seed, step, rank))
         return train_src.batch(batch_size, gen)
 
     def eval_batches():

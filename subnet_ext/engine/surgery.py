@@ -207,14 +207,15 @@ def prepare_backward(model: nn.Module, plan, pieces: list[Piece], rank: int):
     Returns:
         piece_params: {piece: Parameter} for the owned sliced pieces (views of the full tensors).
         value_refs: {state-dict name: (module, attribute)} where each full tensor now lives.
+        handles: the forward-pre-hook handles it installed (for SubnetDataParallel.close).
     """
-    piece_params, value_refs = {}, {}
+    piece_params, value_refs, handles = {}, {}, []
     if plan.level == "block":
         for g, (a, _) in zip(plan.groups, plan.unit_ranges):
             if not bool(plan.owners[rank, a]):
                 for n in g.params:
                     model.get_parameter(n).requires_grad_(False)
-        return piece_params, value_refs
+        return piece_params, value_refs, handles
     by_module = {}
     for p in pieces:
         if p.sliced and p.is_param:
@@ -247,8 +248,8 @@ def prepare_backward(model: nn.Module, plan, pieces: list[Piece], rank: int):
                 raise ValueError(f"rank {rank} owns no slice of {path!r} (backward regime needs at least one)")
             module.forward = types.MethodType(_owned_linear_forward, module)
         else:
-            module.register_forward_pre_hook(_AssembleOwned(attrs))
-    return piece_params, value_refs
+            handles.append(module.register_forward_pre_hook(_AssembleOwned(attrs)))
+    return piece_params, value_refs, handles
 
 
 def attach_direct_gradients(model: nn.Module, piece_params: dict, view_for, ready) -> int:

@@ -30,6 +30,9 @@ from .units import UnitGroup, check_no_chained, find_blocks, find_neuron_groups,
 LEVELS = ("block", "neuron")
 
 
+FLOAT_DTYPES = ("float32", "float64", "float16", "bfloat16")  # the dtype names plans record for floats
+
+
 @dataclass(frozen=True)
 class Unit:
     """kind: block/neuron/head/channel; group: module path; index: position in the group (None for blocks)."""
@@ -128,7 +131,8 @@ class SubnetPlan:
         self.shared_flops = 2.0 * sum(math.prod(self.tensor_shapes[n]) for n in self.shared_params)
 
     def is_float(self, name: str) -> bool:
-        return self.tensor_dtypes[name] in ("float32", "float64", "float16", "bfloat16")
+        """True when state-dict entry `name` is floating point (averaged; integers are not)."""
+        return self.tensor_dtypes[name] in FLOAT_DTYPES
 
     @property
     def param_names(self) -> set:
@@ -151,9 +155,13 @@ class SubnetPlan:
     def full_bytes(self) -> float:
         return self.shared_bytes + float(self.unit_bytes.sum())
 
+    def unit_owner_sets(self) -> list[tuple[int, ...]]:
+        """[U] the owner set (ascending ranks) of each unit, in unit order."""
+        return [tuple(torch.nonzero(self.owners[:, u]).flatten().tolist()) for u in range(len(self.units))]
+
     def owner_sets(self) -> list[tuple[int, ...]]:
         """Distinct owner sets of the units, in one canonical order (sorted)."""
-        return sorted({tuple(torch.nonzero(self.owners[:, u]).flatten().tolist()) for u in range(len(self.units))})
+        return sorted(set(self.unit_owner_sets()))
 
     # ----------------------------------------------------------------- checks
     def rank_graph(self) -> np.ndarray:

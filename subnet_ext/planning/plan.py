@@ -313,6 +313,25 @@ def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name.replace("torch.", ""))
 
 
+def _assign(level, k, r, groups, ranges, flops, **tensors) -> torch.Tensor:
+    """Owner matrix bool [k, units] before the seed's relabelling, balanced on the units' costs.
+
+    tensors: shapes, dtypes, shared, param_names of the model (what SubnetPlan._costs reads).
+    """
+    tmp = SubnetPlan.__new__(SubnetPlan)
+    tmp.__dict__.update(groups=groups, tensor_shapes=tensors["shapes"], tensor_dtypes=tensors["dtypes"],
+                        shared=tensors["shared"], _param_names=tensors["param_names"], unit_ranges=ranges,
+                        units=[None] * ranges[-1][1])
+    tmp._costs(flops)
+    if level == "block":
+        return assign_blocks(tmp.unit_bytes, tmp.unit_flops, k, r)
+    weight = torch.zeros(len(tmp.units), dtype=torch.float64)
+    for cost in (tmp.unit_bytes, tmp.unit_flops):
+        if float(cost.sum()) > 0:
+            weight += cost / cost.sum()  # bytes and FLOPs each as a share of the model's, summed
+    return assign_neurons(ranges, k, r, weight)
+
+
 def plan_subnetworks(model: nn.Module, world_size: int, coverage: float, level: str = "block", seed: int = 0,
                      blocks=None, neuron_groups=None, sample_input=None) -> SubnetPlan:
     """Plan which rank trains which part of `model`.
@@ -359,18 +378,8 @@ def plan_subnetworks(model: nn.Module, world_size: int, coverage: float, level: 
     if sample_input is not None:
         unit_flops, shared_flops, source = trace_unit_flops(model, groups, sample_input)
         flops = {"unit": unit_flops.tolist(), "shared": shared_flops, "source": source}
-    tmp = SubnetPlan.__new__(SubnetPlan)
-    tmp.__dict__.update(groups=groups, tensor_shapes=shapes, tensor_dtypes=dtypes, shared=shared,
-                        _param_names=plan._param_names, unit_ranges=ranges, units=[None] * start)
-    tmp._costs(flops)
-    if level == "neuron":
-        weight = torch.zeros(start, dtype=torch.float64)
-        for cost in (tmp.unit_bytes, tmp.unit_flops):
-            if float(cost.sum()) > 0:
-                weight += cost / cost.sum()
-        owners = assign_neurons(ranges, k, r, weight)
-    else:
-        owners = assign_blocks(tmp.unit_bytes, tmp.unit_flops, k, r)
+    owners = _assign(level, k, r, groups, ranges, flops, shapes=shapes, dtypes=dtypes, shared=shared,
+                     param_names=plan._param_names)
     if seed:
         perm = list(range(k))
         random.Random(seed).shuffle(perm)

@@ -57,6 +57,8 @@ def test_sample_input_on_meta_and_bad_sample_input():
     assert plan.flops_per_rank.min() > 0 and "traced" in plan.summary()
     with pytest.raises(ValueError, match="sample_input"):
         sx.plan_subnetworks(model, 4, 0.5, "neuron", sample_input="tokens")
+    with pytest.raises(ValueError, match=r"sample_input of shape \[1, 5, 32, 32\].*failed"):
+        sx.plan_subnetworks(resnet18_preset(), 4, 0.5, "block", sample_input=((1, 5, 32, 32), torch.float32))
     bad = json.loads(plan.to_json())
     bad["flops"]["unit"] = bad["flops"]["unit"][:-1]
     with pytest.raises(ValueError, match="flops"):

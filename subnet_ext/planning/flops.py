@@ -98,6 +98,10 @@ def trace_unit_flops(model: nn.Module, groups, sample_input) -> tuple[np.ndarray
         meta.eval()
         try:
             meta(x)
+        except (RuntimeError, NotImplementedError, TypeError, ValueError, IndexError) as e:
+            raise ValueError(f"tracing FLOPs with sample_input of shape {list(x.shape)} {x.dtype} on the meta device "
+                             f"failed ({type(e).__name__}: {e}); pass an input the model's forward takes, or "
+                             "sample_input=None to fall back to 2 x parameters") from e
         finally:
             for m, training in modes.items():
                 m.train(training)

@@ -244,7 +244,7 @@ class SubnetPlan:
                           f"size {k}, coverage {self.coverage}, {owners_per_unit(k, self.coverage)} owner(s)/unit): "
                           "only the shared parameters tie their models together, and each unit is trained on its "
                           "owners' data alone. This is legitimate (coverage 1/K gives every unit one owner); raise "
-                          "the coverage so units have 2+ owners if the subnetworks should mix.", stacklevel=3)
+                          "the coverage so units have 2+ owners if the subnetworks should mix.", stacklevel=4)
 
     # ----------------------------------------------------------------- output
     def summary(self) -> str:

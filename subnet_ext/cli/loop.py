@@ -42,9 +42,12 @@ def make_method(args: Namespace, model, device):
     if args.method == "fsdp":
         return FSDPMethod(model, device)
     from ..planning.plan import plan_subnetworks
+    from .plan import sample_input_for
 
+    # FLOPs traced at the task's input size, so blocks are balanced by compute as well as bytes
+    sample = sample_input_for(args.model, model, getattr(args, "seq_len", 64), getattr(args, "data", None))
     plan = plan_subnetworks(model, world_size=data_rank(args)[1], coverage=args.coverage, level=args.level,
-                            seed=args.seed)
+                            seed=args.seed, sample_input=sample)
     return SDPMethod(model, plan, args.regime, args.sync_every, args.scale, bucket_cap_mb=bucket_cap_mb,
                      overlap=not getattr(args, "no_overlap", False), simulate_rank=getattr(args, "simulate_rank", None),
                      timeout=args.timeout)

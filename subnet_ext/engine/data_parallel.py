@@ -12,7 +12,9 @@ gradients are ready, and a callback queued on the autograd engine by the first h
 issues the rest, waits and unpacks when the backward ends. After each optimizer step
 over these parameters (a global optimizer step hook) the engine counts the step,
 averages parameters every `sync_every` steps when sync_every > 1, and in the backward
-regime refreshes the copies of units this rank does not own. All of these issue
+regime, at those same synchronisation points (every step when sync_every=1), refreshes
+the copies of units this rank does not own; between them those copies keep their last
+refreshed values and the full forward uses them. All of these issue
 collectives in one global order, so they cannot deadlock.
 """
 from __future__ import annotations
@@ -313,10 +315,14 @@ class SubnetDataParallel(nn.Module):
         """Called after each optimizer step (automatically for torch.optim optimizers)."""
         self.optimizer_steps += 1
         self.counter.steps += 1
+        sync_point = self.optimizer_steps % self.sync_every == 0
         with torch.no_grad():
-            if self.sync_every > 1 and self.optimizer_steps % self.sync_every == 0:
+            if self.sync_every > 1 and sync_point:
                 self._averager.average_now("parameters")
-            if self.regime == "backward":
+            # Between synchronisation points a rank's copies of units it does not own keep
+            # their last refreshed values (the full forward still uses them): refreshing them
+            # every step would cost the refresh's bytes H times per averaging for no agreement.
+            if self.regime == "backward" and sync_point:
                 self._refresh()
 
     # ------------------------------------------------------------------ public API

@@ -40,6 +40,7 @@ from ..comm.collectives import as_timedelta
 from ..planning.costs import DEFAULT_LATENCY_BYTES, choose_strategy, predicted_comm
 from ..planning.pieces import global_pieces, local_starts, rectangle
 from ..planning.plan import SubnetPlan, model_fingerprint
+from ..state.aliases import retie, with_aliases, without_aliases
 from ..state.assembly import assemble, load_pieces
 from .surgery import attach_direct_gradients, materialise_forward, prepare_backward
 
@@ -357,17 +358,17 @@ class SubnetDataParallel(nn.Module):
 
         Collective: every rank must call it."""
         self._refuse_if_simulated("full_state_dict")
-        return assemble(self, reduce=True)
+        return with_aliases(self.plan, assemble(self, reduce=True))
 
     def local_full_state_dict(self) -> dict:
         """This rank's values in the original names and shapes, NaN where it holds nothing."""
         if self.regime == "backward":
-            return {n: self.value_of(n).detach().clone() for n in self.plan.tensor_shapes}
-        return assemble(self, reduce=False)
+            return with_aliases(self.plan, {n: self.value_of(n).detach().clone() for n in self.plan.tensor_shapes})
+        return with_aliases(self.plan, assemble(self, reduce=False))
 
     def load_full_state_dict(self, state_dict: dict) -> None:
         """Start from a full-model state dict (e.g. a checkpoint of the unmasked model)."""
-        load_pieces(self, state_dict)
+        load_pieces(self, without_aliases(self.plan, state_dict))
 
     def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         """The optimizer's state in the original names and shapes, identical on every rank:
@@ -392,7 +393,11 @@ class SubnetDataParallel(nn.Module):
     def full_model(self) -> nn.Module:
         """A new, unmasked model holding the assembled full state (collective)."""
         model = copy.deepcopy(self._skeleton)
-        model.load_state_dict(self.full_state_dict(), assign=True)
+        canonical = without_aliases(self.plan, self.full_state_dict())
+        missing, unexpected = model.load_state_dict(canonical, assign=True, strict=False)
+        if sorted(missing) != sorted(self.plan.aliases) or unexpected:  # assign=True would untie an alias
+            raise RuntimeError(f"subnet_ext: full_model() could not load {missing} / {unexpected}")
+        retie(self.plan, model)
         return model
 
     @torch.no_grad()
@@ -416,7 +421,9 @@ class SubnetDataParallel(nn.Module):
                 out["ensemble"] = y
             if "full" in modes:
                 skeleton = self._skeleton.eval()
-                out["full"] = torch.func.functional_call(skeleton, self.full_state_dict(), inputs).float()
+                # Canonical names only: functional_call ties an alias to its canonical value.
+                canonical = without_aliases(self.plan, self.full_state_dict())
+                out["full"] = torch.func.functional_call(skeleton, canonical, inputs).float()
         finally:
             self.module.train(was_training)
         return out

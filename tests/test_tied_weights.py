@@ -100,7 +100,11 @@ def _worker(rank, world):
         out["full_model_diff"] = (fm.eval()(ids) - want).abs().max().item()
     local = sdp.local_full_state_dict()
     out["local_alias"] = torch.equal(local[TIED[0]], local[TIED[1]])
-    state = sdp.full_optimizer_state_dict(torch.optim.Adam(sdp.parameters()))
+    adam = torch.optim.Adam(sdp.parameters(), lr=0.0)  # a step gives it state; lr 0 keeps the values
+    lm_loss(sdp, tokens(rank, 0)).backward()
+    adam.step()
+    adam.zero_grad()
+    state = sdp.full_optimizer_state_dict(adam)
     out["optim_names"] = (TIED[1] in state["state"], TIED[0] in state["state"])
     sdp.load_full_state_dict(full)  # both names, same values: accepted
     untied = {k: v.clone() for k, v in full.items()}

@@ -12,7 +12,9 @@ gradients are ready, and a callback queued on the autograd engine by the first h
 issues the rest, waits and unpacks when the backward ends. After each optimizer step
 over these parameters (a global optimizer step hook) the engine counts the step,
 averages parameters every `sync_every` steps when sync_every > 1, and in the backward
-regime refreshes the copies of units this rank does not own. All of these issue
+regime, at those same synchronisation points (every step when sync_every=1), refreshes
+the copies of units this rank does not own; between them those copies keep their last
+refreshed values and the full forward uses them. All of these issue
 collectives in one global order, so they cannot deadlock.
 """
 from __future__ import annotations
@@ -37,6 +39,7 @@ from ..comm.collectives import as_timedelta
 from ..planning.costs import DEFAULT_LATENCY_BYTES, choose_strategy
 from ..planning.pieces import global_pieces
 from ..planning.plan import SubnetPlan, model_fingerprint
+from ..state.aliases import retie, with_aliases, without_aliases
 from ..state.assembly import assemble, load_pieces
 from ..state.layout import RankLayout
 from .restore import restore_structure
@@ -231,10 +234,14 @@ class SubnetDataParallel(nn.Module):
         self._check_open("after_step")
         self.optimizer_steps += 1
         self.counter.steps += 1
+        sync_point = self.optimizer_steps % self.sync_every == 0
         with torch.no_grad():
-            if self.sync_every > 1 and self.optimizer_steps % self.sync_every == 0:
+            if self.sync_every > 1 and sync_point:
                 self._averager.average_now("parameters")
-            if self.regime == "backward":
+            # Between synchronisation points a rank's copies of units it does not own keep
+            # their last refreshed values (the full forward still uses them): refreshing them
+            # every step would cost the refresh's bytes H times per averaging for no agreement.
+            if self.regime == "backward" and sync_point:
                 self._refresh()
 
     # ------------------------------------------------------------------ public API
@@ -267,19 +274,20 @@ class SubnetDataParallel(nn.Module):
         Collective: every rank must call it."""
         self._check_open("full_state_dict")
         self._refuse_if_simulated("full_state_dict")
-        return assemble(self.layout, reduce=True, process_group=self.process_group, timeout=self.timeout)
+        return with_aliases(self.plan, assemble(self.layout, reduce=True, process_group=self.process_group,
+                                                timeout=self.timeout))
 
     def local_full_state_dict(self) -> dict:
         """This rank's values in the original names and shapes, NaN where it holds nothing."""
         self._check_open("local_full_state_dict")
         if self.regime == "backward":
-            return {n: self.value_of(n).detach().clone() for n in self.plan.tensor_shapes}
-        return assemble(self.layout, reduce=False)
+            return with_aliases(self.plan, {n: self.value_of(n).detach().clone() for n in self.plan.tensor_shapes})
+        return with_aliases(self.plan, assemble(self.layout, reduce=False))
 
     def load_full_state_dict(self, state_dict: dict) -> None:
         """Start from a full-model state dict (e.g. a checkpoint of the unmasked model)."""
         self._check_open("load_full_state_dict")
-        load_pieces(self.layout, state_dict)
+        load_pieces(self.layout, without_aliases(self.plan, state_dict))
 
     def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         """The optimizer's state in the original names and shapes, identical on every rank:
@@ -309,7 +317,11 @@ class SubnetDataParallel(nn.Module):
         """A new, unmasked model holding the assembled full state (collective)."""
         self._check_open("full_model")
         model = copy.deepcopy(self._skeleton)
-        model.load_state_dict(self.full_state_dict(), assign=True)
+        canonical = without_aliases(self.plan, self.full_state_dict())
+        missing, unexpected = model.load_state_dict(canonical, assign=True, strict=False)
+        if sorted(missing) != sorted(self.plan.aliases) or unexpected:  # assign=True would untie an alias
+            raise RuntimeError(f"subnet_ext: full_model() could not load {missing} / {unexpected}")
+        retie(self.plan, model)
         return model
 
     @torch.no_grad()
@@ -334,7 +346,9 @@ class SubnetDataParallel(nn.Module):
                 out["ensemble"] = y
             if "full" in modes:
                 skeleton = self._skeleton.eval()
-                out["full"] = torch.func.functional_call(skeleton, self.full_state_dict(), inputs).float()
+                # Canonical names only: functional_call ties an alias to its canonical value.
+                canonical = without_aliases(self.plan, self.full_state_dict())
+                out["full"] = torch.func.functional_call(skeleton, canonical, inputs).float()
         finally:
             self.module.train(was_training)
         return out

@@ -31,6 +31,7 @@ import torch.nn as nn
 from .assign import assign_blocks, assign_neurons
 from .flops import trace_unit_flops
 from .plan_json import check_plan_json
+from .aliases import find_aliases
 from .units import UnitGroup, check_no_chained, find_blocks, find_neuron_groups, slice_numel
 
 LEVELS = ("block", "neuron")
@@ -87,13 +88,19 @@ class SubnetPlan:
     """
 
     def __init__(self, *, world_size, coverage, level, seed, groups, owners, shared, tensor_shapes,
-                 tensor_dtypes, fingerprint, flops=None):
+                 tensor_dtypes, fingerprint, flops=None, aliases=None):
         self.world_size, self.coverage, self.level, self.seed = world_size, coverage, level, seed
         self.groups: list[UnitGroup] = groups
         self.owners = owners
         self.shared: list[str] = shared
-        self.tensor_shapes: dict = {k: tuple(v) for k, v in tensor_shapes.items()}
-        self.tensor_dtypes: dict = dict(tensor_dtypes)
+        # Tied weights: an alias is a state-dict name for the same tensor as an earlier name.
+        # It gets no pieces, no owners and no communication; exports write it beside its
+        # canonical name (state/aliases.py). tensor_shapes/dtypes list canonical names only;
+        # the whole state dict's order stays in _entries (fingerprint, JSON).
+        self.aliases: dict = dict(aliases or {})
+        self._entries = [(k, tuple(v), tensor_dtypes[k]) for k, v in tensor_shapes.items()]
+        self.tensor_shapes: dict = {k: tuple(v) for k, v in tensor_shapes.items() if k not in self.aliases}
+        self.tensor_dtypes: dict = {k: v for k, v in tensor_dtypes.items() if k not in self.aliases}
         self.fingerprint = fingerprint
         self.units, self.unit_ranges = [], []
         for g in groups:
@@ -283,9 +290,10 @@ class SubnetPlan:
             "level": self.level, "seed": self.seed, "fingerprint": self.fingerprint,
             "groups": [g.to_dict() for g in self.groups], "shared": self.shared,
             "owners": self.owners.to(torch.uint8).tolist(),
-            "tensor_shapes": {k: list(v) for k, v in self.tensor_shapes.items()},
-            "tensor_dtypes": self.tensor_dtypes, "param_names": sorted(self._param_names),
+            "tensor_shapes": {k: list(v) for k, v, _ in self._entries},
+            "tensor_dtypes": {k: d for k, _, d in self._entries}, "param_names": sorted(self._param_names),
             "flops": {"unit": self.unit_flops.tolist(), "shared": self.shared_flops, "source": self.flops_source},
+            "aliases": self.aliases,
         })
 
     @staticmethod
@@ -303,7 +311,8 @@ class SubnetPlan:
                 plan, world_size=int(d["world_size"]), coverage=float(d["coverage"]), level=str(d["level"]),
                 seed=int(d["seed"]), groups=[UnitGroup.from_dict(g) for g in d["groups"]],
                 owners=owners.bool(), shared=list(d["shared"]), tensor_shapes=d["tensor_shapes"],
-                tensor_dtypes=d["tensor_dtypes"], fingerprint=str(d["fingerprint"]), flops=d.get("flops"))
+                tensor_dtypes=d["tensor_dtypes"], fingerprint=str(d["fingerprint"]), flops=d.get("flops"),
+                aliases=d.get("aliases", {}))
             _check_args(plan.world_size, plan.coverage, plan.level)
             return plan
         except ValueError:
@@ -371,7 +380,12 @@ def plan_subnetworks(model: nn.Module, world_size: int, coverage: float, level: 
     check_no_chained(groups)
     sd = model.state_dict(keep_vars=True)
     in_units = {m.name for g in groups for m in g.members} | {n for g in groups for n in g.params + g.buffers}
-    shared = [n for n in sd if n not in in_units]
+    aliases = find_aliases(model, groups)
+    in_units -= set(aliases)  # a block's own tied pair: the canonical name carries it
+    for g in groups:
+        g.params = [n for n in g.params if n not in aliases]
+        g.buffers = [n for n in g.buffers if n not in aliases]
+    shared = [n for n in sd if n not in in_units and n not in aliases]
     shapes = {n: tuple(t.shape) for n, t in sd.items()}
     dtypes = {n: str(t.dtype).replace("torch.", "") for n, t in sd.items()}
     k, r = world_size, owners_per_unit(world_size, coverage)
@@ -394,5 +408,5 @@ def plan_subnetworks(model: nn.Module, world_size: int, coverage: float, level: 
         owners = owners[torch.tensor(perm)]
     SubnetPlan.__init__(plan, world_size=k, coverage=float(coverage), level=level, seed=seed, groups=groups,
                         owners=owners, shared=shared, tensor_shapes=shapes, tensor_dtypes=dtypes,
-                        fingerprint=model_fingerprint(model), flops=flops)
+                        fingerprint=model_fingerprint(model), flops=flops, aliases=aliases)
     return plan

@@ -166,7 +166,26 @@ def check_plan_json(d) -> None:
         raise ValueError("not a subnet_ext plan (missing format 'subnet_ext.plan/1')")
     _check_header(d)
     shapes = _check_tensors(d)
-    _names(d, "param_names", shapes)
-    units = _check_groups(d, shapes)
+    params = _names(d, "param_names", shapes)
+    aliases = _check_aliases(d, shapes, params)
+    units = _check_groups(d, {n: s for n, s in shapes.items() if n not in aliases})
     _check_owners(d, units)
     _check_flops(d, units)
+
+
+def _check_aliases(d: dict, shapes: dict, params: list) -> dict:
+    """Optional "aliases" {alias: canonical} (tied weights; plans written before it have
+    none): both names known, same shape and dtype, the canonical one first in the state
+    dict and itself no alias, and an alias neither a parameter name nor a unit's tensor."""
+    aliases = d.get("aliases", {})
+    if not isinstance(aliases, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                for k, v in aliases.items()):
+        raise ValueError(f"plan JSON: aliases must map tensor names to tensor names, got {aliases!r}")
+    order = {n: i for i, n in enumerate(shapes)}
+    for alias, canonical in aliases.items():
+        if alias not in order or canonical not in order or canonical in aliases or \
+                order[canonical] >= order[alias] or alias in params or \
+                shapes[alias] != shapes[canonical] or d["tensor_dtypes"][alias] != d["tensor_dtypes"][canonical]:
+            raise ValueError(f"plan JSON: alias {alias!r} -> {canonical!r} is not a tie of two known tensors of "
+                             "the same shape and dtype, the canonical one first")
+    return aliases

@@ -33,9 +33,9 @@ def reference_subnetwork(model, plan, rank, skip_fns=None, consumer_widths=None)
 
     skip_fns: {block path: fn(block, x [B, ...]) -> skip output} for block plans
         (default: identity).
-    consumer_widths: {group path: (consumer module path, unit width, features on dim -1
-        of the consumer's input)} for neuron plans; the consumer's input features of
-        units the rank does not own are zeroed.
+    consumer_widths: {group path: (consumer module path, unit width[, 1 for a conv's
+        channel dim])} for neuron plans; the consumer's input features (last dim, or dim 1)
+        of units the rank does not own are zeroed.
     """
     ref = copy.deepcopy(model)
     for g, (a, b) in zip(plan.groups, plan.unit_ranges):
@@ -47,8 +47,10 @@ def reference_subnetwork(model, plan, rank, skip_fns=None, consumer_widths=None)
                 fn = (skip_fns or {}).get(g.path, lambda block, x: x)
                 setattr(parent, leaf, _Replacement(getattr(parent, leaf), fn))
             continue
-        consumer, width = consumer_widths[g.path]
+        consumer, width, *dim = consumer_widths[g.path]
         keep = owned.repeat_interleave(width).to(torch.float32)
+        if dim and dim[0] == 1:  # channels of a conv input [B, C, H, W]
+            keep = keep.view(-1, 1, 1)
         ref.get_submodule(consumer).register_forward_pre_hook(
             lambda m, args, keep=keep: (args[0] * keep.to(args[0].dtype),) + tuple(args[1:]))
     return ref

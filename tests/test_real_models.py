@@ -108,3 +108,19 @@ def test_real_architecture_trains_and_matches_reference(arch, package):
 
 def _resnet_skip(block, x):
     return torch.relu(block.downsample(x) if block.downsample is not None else x)
+
+
+def test_fused_head_plan_round_trips_and_bad_offsets_are_refused():
+    pytest.importorskip("transformers")
+    import json
+
+    plan = sx.plan_subnetworks(build("gpt2"), 2, 0.5, "neuron")
+    attn = next(g for g in plan.groups if g.kind == "head")
+    assert [(m.name.rsplit(".", 2)[-2:], m.dim, m.width, m.offset) for m in attn.members][:2] == \
+        [(["c_attn", "weight"], 1, 8, 0), (["c_attn", "bias"], 0, 8, 0)]
+    back = sx.SubnetPlan.from_json(plan.to_json())
+    assert [g.to_dict() for g in back.groups] == [g.to_dict() for g in plan.groups]
+    d = json.loads(plan.to_json())
+    d["groups"][0]["members"][2]["offset"] = 0  # the k block moved onto the q block: a gap and an overlap
+    with pytest.raises(ValueError, match="do not tile"):
+        sx.SubnetPlan.from_json(json.dumps(d))

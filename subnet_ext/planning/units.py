@@ -8,9 +8,14 @@ j of member (param, dim, width) is [j*width, (j+1)*width) along dim.
 
 Recognised without help: modules with fc1/fc2 Linears, gated MLPs (gate_proj/up_proj/
 down_proj), attention with q_proj/k_proj/v_proj/o_proj (a kv head with its query
-heads is one unit), nn.TransformerEncoderLayer (MLP neurons), torchvision-style
-BasicBlock/Bottleneck, and plain nn.Sequential stacks of Linear layers (alternate
-hidden layers, so no weight sits between two masked groups). Users declare the rest:
+heads is one unit), fused-qkv attention (GPT-2 c_attn/c_proj Conv1D, timm qkv/proj
+Linear: one unit per head, three column/row blocks of the fused tensor), GPT-2 Conv1D
+MLPs (c_fc/c_proj), nn.TransformerEncoderLayer (MLP neurons), ResNet BasicBlock/
+Bottleneck-shaped blocks whatever their shortcut is called (the skip path is traced,
+residual.py; pre-activation blocks skip without ReLU), transformer blocks (*DecoderLayer,
+GPT2Block, timm ViT Block) at block level, and plain nn.Sequential stacks of Linear
+layers with BatchNorm1d and element-wise layers between them (alternate hidden layers,
+so no weight sits between two masked groups; a BatchNorm1d in a masked layer is sliced). Users declare the rest:
 `blocks=["path", ...]` and `neuron_groups=[("producer.path", "consumer.path"), ...]`.
 """
 from __future__ import annotations
@@ -48,7 +53,8 @@ class UnitGroup:
     members: sliced parameters and buffers (neuron groups).
     params / buffers: names held whole by the block unit (block groups).
     consumers: module paths whose input is the group's width (for scale="inverse").
-    skip: how a skipped block computes its output: "identity" or "shortcut".
+    skip: how a skipped block computes its output: "identity", "shortcut" (its skip
+        path, no ReLU: pre-activation blocks) or "shortcut_relu" (relu of its skip path).
     """
 
     kind: str

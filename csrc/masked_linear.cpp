@@ -26,6 +26,10 @@ struct Shapes {
 
 at::Tensor defined_or_empty(const OptTensor& t) { return t.has_value() ? *t : at::Tensor(); }
 
+// Every device's kernels read an index densely through its data pointer: the one place
+// that makes it so is here, at the top of each op body (a no-op for a dense index).
+OptTensor dense_index(const OptTensor& idx) { return idx.has_value() ? OptTensor(idx->contiguous()) : idx; }
+
 // Checks the operands shared by forward and backward and returns the block sizes.
 Shapes check_operands(const char* op, const at::Tensor& x, const at::Tensor& weight, const OptTensor& out_idx,
                       const OptTensor& in_idx, bool compact_weight, int64_t out_bound) {
@@ -117,8 +121,9 @@ std::vector<int64_t> with_last(c10::IntArrayRef sizes, int64_t last) {
 }  // namespace
 
 at::Tensor masked_linear_impl(const char* op, const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
-                              const OptTensor& out_idx, const OptTensor& in_idx, bool compact_weight,
+                              const OptTensor& out_idx_arg, const OptTensor& in_idx_arg, bool compact_weight,
                               int64_t scatter_width, const IndexKernels& k, GatheredOperands* gathered) {
+  const OptTensor out_idx = dense_index(out_idx_arg), in_idx = dense_index(in_idx_arg);
   TORCH_CHECK_VALUE(scatter_width >= -1, op, ": scatter_width must be -1 (compact output) or a width, got ",
                     scatter_width);
   const int64_t out_bound = scatter_width >= 0 ? scatter_width : kNoBound;
@@ -160,10 +165,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_linear_forward_impl(
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_linear_backward_impl(
-    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight, const OptTensor& out_idx,
-    const OptTensor& in_idx, bool compact_weight, bool grad_out_full, bool dense_grad_input,
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight, const OptTensor& out_idx_arg,
+    const OptTensor& in_idx_arg, bool compact_weight, bool grad_out_full, bool dense_grad_input,
     std::array<bool, 3> mask, const OptTensor& x_kept, const OptTensor& weight_block, const IndexKernels& k) {
   const char* op = "subnet_ext.masked_linear_backward";
+  const OptTensor out_idx = dense_index(out_idx_arg), in_idx = dense_index(in_idx_arg);
   const int64_t g_width = grad_out.dim() >= 1 ? grad_out.size(-1) : 0;
   const Shapes s = check_operands(op, x, weight, out_idx, in_idx, compact_weight, grad_out_full ? g_width : kNoBound);
   TORCH_CHECK_VALUE(grad_out.scalar_type() == x.scalar_type() && grad_out.device() == x.device(), op,
@@ -204,9 +210,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_linear_backward_impl(
 }
 
 void masked_linear_grad_weight_impl(const at::Tensor& out, const at::Tensor& grad_out, const at::Tensor& x,
-                                    const OptTensor& out_idx, const OptTensor& in_idx, bool grad_out_full,
+                                    const OptTensor& out_idx_arg, const OptTensor& in_idx_arg, bool grad_out_full,
                                     bool accumulate, const IndexKernels& k) {
   const char* op = "subnet_ext.masked_linear_grad_weight_";
+  const OptTensor out_idx = dense_index(out_idx_arg), in_idx = dense_index(in_idx_arg);
   TORCH_CHECK_VALUE(x.dim() >= 1 && grad_out.dim() == x.dim(), op, ": grad_out has shape ", grad_out.sizes(),
                     " but x has shape ", x.sizes());
   TORCH_CHECK_VALUE(grad_out.scalar_type() == x.scalar_type() && out.scalar_type() == x.scalar_type(), op,

@@ -16,7 +16,8 @@ namespace subnet_ext {
 
 using OptTensor = std::optional<at::Tensor>;
 
-// Gathers and scatters of the masked linear; src and dst are 2-D and contiguous.
+// Gathers and scatters of the masked linear; src and dst are 2-D and contiguous, indices
+// 1-D contiguous int64 on their device (the op bodies in masked_linear.cpp make them so).
 struct IndexKernels {
   // dst[r, c] = src[rows ? rows[r] : r, cols ? cols[c] : c]; rows/cols may be undefined.
   void (*gather)(const at::Tensor& src, const at::Tensor& rows, const at::Tensor& cols, const at::Tensor& dst);

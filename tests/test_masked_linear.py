@@ -282,3 +282,61 @@ def test_index_on_wrong_device():
     x, w, b, oi, ii = operands("cuda", torch.float32, 0.5, compact=False)
     with pytest.raises(ValueError, match="in_idx is on cpu"):
         sx.masked_linear(x, w, b, oi, ii.cpu())
+
+
+# ---- strided (non-contiguous) index tensors: every op, every device ----
+
+
+def _strided(idx):
+    """The same values as idx, as a view with stride 2 (not contiguous)."""
+    wide = torch.full((2 * len(idx),), -7, dtype=idx.dtype, device=idx.device)
+    wide[::2] = idx
+    view = wide[::2]
+    assert not view.is_contiguous() or len(idx) <= 1
+    return view
+
+
+def test_strided_in_idx_reported_case():
+    """The reported case: x 5x20, w 8x20, in_idx = arange(20)[::2]."""
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(5, 20, generator=gen), torch.randn(8, 20, generator=gen), torch.randn(8, generator=gen)
+    idx = torch.arange(20)[::2]
+    torch.testing.assert_close(sx.masked_linear(x, w, b, None, idx), sx.masked_linear(x, w, b, None, idx.contiguous()))
+    torch.testing.assert_close(sx.masked_linear(x, w, b, None, idx), ref.masked_linear(x, w, b, None, idx))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("compact", [False, True])
+def test_strided_indices_on_every_op(device, compact):
+    x, w, b, oi, ii = operands(device, torch.float64, 0.5, compact, batch=(2, 3))
+    so, si = _strided(oi), _strided(ii)
+    for scatter in (None, OUT):
+        kw = dict(compact_weight=compact, scatter_width=scatter)
+        want = ref.masked_linear(x, w, b, oi, ii, **kw)
+        torch.testing.assert_close(sx.masked_linear(x, w, b, so, si, **kw), want)
+        y, x_kept, block = torch.ops.subnet_ext.masked_linear_forward(x, w, b, so, si, compact,
+                                                                      -1 if scatter is None else scatter)
+        ey, ex, eb = ref.masked_linear_forward(x, w, b, oi, ii, **kw)
+        torch.testing.assert_close(y, ey)
+        assert torch.equal(x_kept, ex) and torch.equal(block, eb)
+    dense_cases = (False,) if compact else (False, True)
+    for full_g in (False, True):
+        for dense in dense_cases:
+            if dense and not full_g:
+                continue
+            g = torch.randn(2, 3, OUT if full_g else len(oi), dtype=torch.float64, device=device)
+            kw = dict(compact_weight=compact, grad_out_full=full_g, dense_grad_input=dense)
+            got = sx.masked_linear_backward(g, x, w, so, si, **kw)
+            want = ref.masked_linear_backward(g, x, w, oi, ii, **kw)
+            for a, r in zip(got, want):
+                torch.testing.assert_close(a, r)
+            out = torch.zeros(len(oi), len(ii), dtype=torch.float64, device=device)
+            sx.masked_linear_grad_weight_(out, g, x, so, si, grad_out_full=full_g)
+            torch.testing.assert_close(out, want[1])
+    # autograd through the strided indices
+    args = [t.clone().requires_grad_() for t in (x, w, b)]
+    refs = [t.clone().requires_grad_() for t in (x, w, b)]
+    sx.masked_linear(*args, so, si, compact_weight=compact, scatter_width=OUT).square().sum().backward()
+    ref.masked_linear(*refs, oi, ii, compact_weight=compact, scatter_width=OUT).square().sum().backward()
+    for a, r in zip(args, refs):
+        torch.testing.assert_close(a.grad, r.grad)

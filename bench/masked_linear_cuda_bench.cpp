@@ -46,9 +46,9 @@ int main() {
     Tensor gy = at::randn({B, out_idx.size(0)}, opt);
     Tensor y1, xk, wk, gx1, gw1, gb1, y2, gx2, gw2, gb2;
     auto ours_fn = [&] {
-      std::tie(y1, xk, wk) = forward_op().call(x, w, b, out_idx, in_idx, false, -1);
+      std::tie(y1, xk, wk) = forward_op().call(x, w, b, out_idx, in_idx, false, -1, kCheckIndices);
       std::tie(gx1, gw1, gb1) =
-          backward_op().call(gy, x, w, out_idx, in_idx, false, false, false, {true, true, true}, xk, wk);
+          backward_op().call(gy, x, w, out_idx, in_idx, false, false, false, {true, true, true}, xk, wk, kCheckIndices);
     };
     auto composed_fn = [&] {
       std::tie(y2, gx2, gw2, gb2) = bench::composed_forward_backward(x, w, b, gy, out_idx, in_idx);

@@ -32,25 +32,30 @@ struct GatheredOperands {
   at::Tensor weight_block;  // [|R|, |S|]
 };
 
+// check_indices: true validates the index values (in range, distinct; on CUDA one device
+// sync to read them back); false checks only dtype, dim and device, and the caller
+// guarantees the values are valid (the engine, whose plan validated them once). Invalid
+// values with check_indices=false are undefined behaviour (out-of-bounds reads/writes).
 at::Tensor masked_linear_impl(const char* op, const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
                               const OptTensor& out_idx, const OptTensor& in_idx, bool compact_weight,
-                              int64_t scatter_width, const IndexKernels& kernels,
+                              int64_t scatter_width, bool check_indices, const IndexKernels& kernels,
                               GatheredOperands* gathered = nullptr);
 
 // masked_linear_forward: (y, x_kept, weight_block), the last two an empty [0] tensor when not gathered.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_linear_forward_impl(
     const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias, const OptTensor& out_idx,
-    const OptTensor& in_idx, bool compact_weight, int64_t scatter_width, const IndexKernels& kernels);
+    const OptTensor& in_idx, bool compact_weight, int64_t scatter_width, bool check_indices,
+    const IndexKernels& kernels);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_linear_backward_impl(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight, const OptTensor& out_idx,
     const OptTensor& in_idx, bool compact_weight, bool grad_out_full, bool dense_grad_input,
-    std::array<bool, 3> output_mask, const OptTensor& x_kept, const OptTensor& weight_block,
+    std::array<bool, 3> output_mask, const OptTensor& x_kept, const OptTensor& weight_block, bool check_indices,
     const IndexKernels& kernels);
 
 void masked_linear_grad_weight_impl(const at::Tensor& out, const at::Tensor& grad_out, const at::Tensor& x,
                                     const OptTensor& out_idx, const OptTensor& in_idx, bool grad_out_full,
-                                    bool accumulate, const IndexKernels& kernels);
+                                    bool accumulate, bool check_indices, const IndexKernels& kernels);
 
 // Validated segment table of pack_segments / unpack_average_ (host side).
 std::vector<SegmentDesc> checked_segments(const char* op, at::TensorList tensors, const at::Tensor& segments,

@@ -40,6 +40,7 @@ def masked_linear(
     *,
     compact_weight: bool = False,
     scatter_width: Optional[int] = None,
+    check_indices: bool = True,
 ) -> torch.Tensor:
     """y = x[..., S] @ W[R][:, S]^T + b[R]; differentiable in x, weight and bias.
 
@@ -54,6 +55,10 @@ def masked_linear(
         out_idx, in_idx: R and S (int64, distinct).
         scatter_width: None → output [*, |R|]; an int W → output [*, W] with the kept
             outputs at columns R and zeros elsewhere.
+        check_indices: True validates the index values (in range, distinct; on CUDA one
+            device sync per call). False checks only dtype/dim/device: the CALLER
+            GUARANTEES valid indices (the engine, whose plan validated them once), and the
+            forward and its backward then never synchronise (CUDA-graph capturable).
     Returns:
         [*, |R|] or [*, scatter_width], dtype of x.
     """
@@ -61,8 +66,10 @@ def masked_linear(
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
         # Training: the op that also returns the gathered operands, so backward reuses them
         # instead of gathering x[..., S] and W[R][:, S] a second time.
-        return _ops.masked_linear_forward.default(x, weight, bias, out_idx, in_idx, compact_weight, width)[0]
-    return _ops.masked_linear.default(x, weight, bias, out_idx, in_idx, compact_weight, width)
+        return _ops.masked_linear_forward.default(
+            x, weight, bias, out_idx, in_idx, compact_weight, width, check_indices
+        )[0]
+    return _ops.masked_linear.default(x, weight, bias, out_idx, in_idx, compact_weight, width, check_indices)
 
 
 def masked_linear_backward(
@@ -78,6 +85,7 @@ def masked_linear_backward(
     output_mask: Sequence[bool] = (True, True, True),
     x_kept: Optional[torch.Tensor] = None,
     weight_block: Optional[torch.Tensor] = None,
+    check_indices: bool = True,
 ):
     """Gradients of the masked linear, weight gradient only for the owned block.
 
@@ -91,12 +99,13 @@ def masked_linear_backward(
         x_kept, weight_block: x[..., S] as [N, |S|] and W[R][:, S] as returned by
             `masked_linear_forward`; used instead of gathering them again (None or an
             empty [0] tensor: gather here).
+        check_indices: as in `masked_linear` (False: the caller guarantees the indices).
     Returns:
         (grad_x [*, I_x] | None, grad_weight [|R|, |S|] compact | None, grad_bias [|R|] | None).
     """
     gx, gw, gb = _ops.masked_linear_backward.default(
         grad_out, x, weight, out_idx, in_idx, compact_weight, grad_out_full, dense_grad_input, list(output_mask),
-        x_kept, weight_block,
+        x_kept, weight_block, check_indices,
     )
     return tuple(t if keep else None for t, keep in zip((gx, gw, gb), output_mask))
 
@@ -110,6 +119,7 @@ def masked_linear_grad_weight_(
     *,
     grad_out_full: bool = False,
     accumulate: bool = False,
+    check_indices: bool = True,
 ) -> None:
     """out (=|+=) g_R^T @ x_S, in place: the owned weight-gradient block.
 
@@ -118,8 +128,10 @@ def masked_linear_grad_weight_(
             (e.g. `flat[off:off + r * s].view(r, s)`).
         grad_out: [*, |R|], or [*, W] when grad_out_full. x: [*, I_x].
         accumulate: add to out instead of overwriting it.
+        check_indices: as in `masked_linear` (False: the caller guarantees the indices).
     """
-    _ops.masked_linear_grad_weight_.default(out, grad_out, x, out_idx, in_idx, grad_out_full, accumulate)
+    _ops.masked_linear_grad_weight_.default(out, grad_out, x, out_idx, in_idx, grad_out_full, accumulate,
+                                            check_indices)
 
 
 def segment_table(rectangles: Sequence[Sequence[int]], start: int = 0):
@@ -196,7 +208,7 @@ def _kept(idx, full):
 
 
 @torch.library.register_fake("subnet_ext::masked_linear")
-def _masked_linear_fake(x, weight, bias, out_idx, in_idx, compact_weight, scatter_width):
+def _masked_linear_fake(x, weight, bias, out_idx, in_idx, compact_weight, scatter_width, check_indices=True):
     torch._check(weight.dim() == 2, lambda: "subnet_ext.masked_linear: weight must be 2-D")
     kept_out = weight.shape[0] if compact_weight else _kept(out_idx, weight.shape[0])
     width = kept_out if scatter_width < 0 else scatter_width
@@ -204,7 +216,7 @@ def _masked_linear_fake(x, weight, bias, out_idx, in_idx, compact_weight, scatte
 
 
 @torch.library.register_fake("subnet_ext::masked_linear_forward")
-def _masked_linear_forward_fake(x, weight, bias, out_idx, in_idx, compact_weight, scatter_width):
+def _masked_linear_forward_fake(x, weight, bias, out_idx, in_idx, compact_weight, scatter_width, check_indices=True):
     y = _masked_linear_fake(x, weight, bias, out_idx, in_idx, compact_weight, scatter_width)
     x_kept = x.new_empty((math.prod(x.shape[:-1]), in_idx.shape[0])) if in_idx is not None else x.new_empty(0)
     gathered = not compact_weight and (out_idx is not None or in_idx is not None)
@@ -216,7 +228,7 @@ def _masked_linear_forward_fake(x, weight, bias, out_idx, in_idx, compact_weight
 @torch.library.register_fake("subnet_ext::masked_linear_backward")
 def _masked_linear_backward_fake(
     grad_out, x, weight, out_idx, in_idx, compact_weight, grad_out_full, dense_grad_input, output_mask,
-    x_kept=None, weight_block=None,
+    x_kept=None, weight_block=None, check_indices=True,
 ):
     kept_out = weight.shape[0] if compact_weight else _kept(out_idx, weight.shape[0])
     kept_in = weight.shape[1] if compact_weight else _kept(in_idx, weight.shape[1])
@@ -228,7 +240,8 @@ def _masked_linear_backward_fake(
 
 
 @torch.library.register_fake("subnet_ext::masked_linear_grad_weight_")
-def _masked_linear_grad_weight_fake(out, grad_out, x, out_idx, in_idx, grad_out_full, accumulate):
+def _masked_linear_grad_weight_fake(out, grad_out, x, out_idx, in_idx, grad_out_full, accumulate,
+                                    check_indices=True):
     return None
 
 
@@ -246,7 +259,7 @@ def _unpack_average_fake(tensors, segments, buffer, scales):
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, bias, out_idx, in_idx, compact_weight, scatter_width = inputs
+    x, weight, bias, out_idx, in_idx, compact_weight, scatter_width, *rest = inputs
     if isinstance(output, tuple):  # masked_linear_forward: reuse what it gathered
         _, x_kept, block = output
         ctx.mark_non_differentiable(x_kept, block)
@@ -256,6 +269,7 @@ def _setup_context(ctx, inputs, output):
     ctx.has_bias = bias is not None
     ctx.compact_weight = compact_weight
     ctx.scatter = scatter_width >= 0
+    ctx.check_indices = bool(rest[0]) if rest else True
 
 
 def _backward(ctx, grad_out, *_unused_grads):
@@ -263,7 +277,7 @@ def _backward(ctx, grad_out, *_unused_grads):
     need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
     gx, gw, gb = _ops.masked_linear_backward.default(
         grad_out.contiguous(), x, weight, out_idx, in_idx, ctx.compact_weight,
-        ctx.scatter and out_idx is not None, False, [need_x, need_w, need_b], x_kept, block,
+        ctx.scatter and out_idx is not None, False, [need_x, need_w, need_b], x_kept, block, ctx.check_indices,
     )
     if not ctx.compact_weight and (out_idx is not None or in_idx is not None):
         # A full weight's gradient has the weight's shape: the owned block, zeros elsewhere.
@@ -277,7 +291,7 @@ def _backward(ctx, grad_out, *_unused_grads):
         gx if need_x else None,
         gw if need_w else None,
         gb if need_b else None,
-        None, None, None, None,
+        None, None, None, None, None,
     )
 
 

@@ -340,3 +340,93 @@ def test_strided_indices_on_every_op(device, compact):
     ref.masked_linear(*refs, oi, ii, compact_weight=compact, scatter_width=OUT).square().sum().backward()
     for a, r in zip(args, refs):
         torch.testing.assert_close(a.grad, r.grad)
+
+
+# ---- check_indices=False: the engine's no-validation (sync-free) path ----
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("compact", [False, True])
+def test_check_indices_false_gives_identical_results(device, compact):
+    x, w, b, oi, ii = operands(device, torch.float32, 0.5, compact, batch=(3, 4))
+    for scatter in (None, OUT):
+        kw = dict(compact_weight=compact, scatter_width=scatter)
+        assert torch.equal(sx.masked_linear(x, w, b, oi, ii, check_indices=False, **kw),
+                           sx.masked_linear(x, w, b, oi, ii, **kw))
+        args = [t.clone().requires_grad_() for t in (x, w, b)]
+        trusted = [t.clone().requires_grad_() for t in (x, w, b)]
+        sx.masked_linear(*args, oi, ii, **kw).square().sum().backward()
+        sx.masked_linear(*trusted, oi, ii, check_indices=False, **kw).square().sum().backward()
+        for a, t in zip(args, trusted):
+            assert torch.equal(a.grad, t.grad)
+    g = torch.randn(3, 4, len(oi), device=device)
+    for a, t in zip(sx.masked_linear_backward(g, x, w, oi, ii, compact_weight=compact),
+                    sx.masked_linear_backward(g, x, w, oi, ii, compact_weight=compact, check_indices=False)):
+        assert torch.equal(a, t)
+    out, trusted_out = torch.zeros(len(oi), len(ii), device=device), torch.zeros(len(oi), len(ii), device=device)
+    sx.masked_linear_grad_weight_(out, g, x, oi, ii)
+    sx.masked_linear_grad_weight_(trusted_out, g, x, oi, ii, check_indices=False)
+    assert torch.equal(out, trusted_out)
+
+
+def test_check_indices_true_still_rejects_bad_values_and_false_keeps_cheap_checks():
+    x, w, b, oi, ii = operands("cpu", torch.float32, 0.5, compact=False)
+    g = torch.randn(7, len(oi))
+    for bad, message in ((torch.tensor([0, OUT]), "out_idx has values in"),
+                         (torch.tensor([3, 3]), "holds the index 3 more than once")):
+        with pytest.raises(ValueError, match=message):
+            sx.masked_linear(x, w, b, bad, ii, check_indices=True)
+        with pytest.raises(ValueError, match=message):
+            torch.ops.subnet_ext.masked_linear_forward(x, w, b, bad, ii, False, -1, True)
+        with pytest.raises(ValueError, match=message):
+            sx.masked_linear_backward(g[:, : len(bad)], x, w, bad, ii, check_indices=True)
+        with pytest.raises(ValueError, match=message):
+            sx.masked_linear_grad_weight_(torch.zeros(len(bad), len(ii)), torch.randn(7, OUT), x, bad, ii,
+                                          grad_out_full=True, check_indices=True)
+    # dtype / dim checks stay on (they need no values)
+    with pytest.raises(ValueError, match="must be an int64 tensor"):
+        sx.masked_linear(x, w, b, oi, ii.int(), check_indices=False)
+    with pytest.raises(ValueError, match="must be 1-D"):
+        sx.masked_linear(x, w, b, oi[None], ii, check_indices=False)
+    with pytest.raises(ValueError, match="must be an int64 tensor"):
+        sx.masked_linear_backward(g, x, w, oi, ii.int(), check_indices=False)
+    with pytest.raises(ValueError, match="must be 1-D"):
+        sx.masked_linear_grad_weight_(torch.zeros(len(oi), len(ii)), g, x, oi, ii[None], check_indices=False)
+
+
+def test_check_indices_opcheck_cpu():
+    x, w, b, oi, ii = operands("cpu", torch.float32, 0.5, compact=False, batch=(4,))
+    args = (x.requires_grad_(), w.requires_grad_(), b.requires_grad_(), oi, ii, False, OUT, False)
+    torch.library.opcheck(torch.ops.subnet_ext.masked_linear.default, args)
+    torch.library.opcheck(torch.ops.subnet_ext.masked_linear_forward.default,
+                          tuple(a.detach().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point()
+                                else a for a in args))
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs a GPU and the CUDA kernels")
+@pytest.mark.parametrize("compact", [False, True])
+@pytest.mark.parametrize("scatter", [False, True])
+def test_check_indices_false_never_synchronises_cuda(compact, scatter):
+    """Forward + backward of a training step with check_indices=False: no device sync."""
+    x, w, b, oi, ii = operands("cuda", torch.float32, 0.5, compact, batch=(6, 5))
+    args = [t.clone().requires_grad_() for t in (x, w, b)]
+    kw = dict(compact_weight=compact, scatter_width=OUT if scatter else None)
+    g = torch.randn(6, 5, OUT if scatter else len(oi), device="cuda")
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = sx.masked_linear(*args, oi, ii, check_indices=False, **kw)
+        y.backward(g)
+        out = torch.empty(len(oi), len(ii), device="cuda")
+        sx.masked_linear_grad_weight_(out, g if scatter else g, x, oi, ii, grad_out_full=scatter,
+                                      check_indices=False)
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    refs = [t.clone().requires_grad_() for t in (x, w, b)]
+    ref.masked_linear(*refs, oi, ii, **kw).backward(g)
+    torch.testing.assert_close(y, ref.masked_linear(x, w, b, oi, ii, **kw))
+    for a, r in zip(args, refs):
+        torch.testing.assert_close(a.grad, r.grad)
+    torch.testing.assert_close(out, ref.masked_linear_backward(g, x, w, oi, ii, grad_out_full=scatter,
+                                                               compact_weight=compact)[1])

@@ -24,6 +24,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cuda/storage.cuh"
 #include "kernels/segments.h"
 #include "ops.h"
 
@@ -33,17 +34,6 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int64_t kChunkBytes = 64 * 1024;  // per block: 4096 vectors, 16 per thread
 constexpr int kUnroll = 4;                  // units each thread has in flight
-
-template <size_t Bytes>
-struct StorageOf;
-template <>
-struct StorageOf<2> { using type = uint16_t; };
-template <>
-struct StorageOf<4> { using type = uint32_t; };
-template <>
-struct StorageOf<8> { using type = uint64_t; };
-template <typename T>
-using storage_t = typename StorageOf<sizeof(T)>::type;
 
 // 16 bytes of T, loaded and stored as one 128-bit access.
 template <typename T>

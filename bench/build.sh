@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-TORCH=$($PY -c "import torch, os; print(os.path.dirname(torch.__file__))")
+TORCH=${TORCH_DIR:-$($PY -c "import torch, os; print(os.path.dirname(torch.__file__))")}  # TORCH_DIR skips the import
 CXX=${CXX:-g++}
 FLAGS=(-O3 -std=c++20 -fopenmp -fPIC -DNDEBUG -Icsrc -Ibench -I"$TORCH/include" -I"$TORCH/include/torch/csrc/api/include")
 LIBS=(-L"$TORCH/lib" -Wl,-rpath,"$TORCH/lib" -Wl,--no-as-needed -ltorch -ltorch_cpu -lc10)
@@ -17,8 +17,27 @@ stale() {  # stale OUTPUT SOURCE...: OUTPUT is missing or older than a source or
   local out=$1; shift
   [[ -f $out ]] || return 0
   local s
-  for s in "$@" csrc/ops.h csrc/kernels/*.h bench/*.h; do [[ $s -nt $out ]] && return 0; done
+  for s in "$@" csrc/*.h csrc/cuda/*.cuh csrc/kernels/*.h bench/*.h; do [[ $s -nt $out ]] && return 0; done
   return 1
+}
+
+# Background jobs: each PID is waited for by itself, so that a failed compile or link
+# fails the script (a bare `wait` returns 0 whatever the jobs returned).
+pids=()
+spawn() {
+  "$@" &
+  pids+=($!)
+}
+wait_all() {
+  local pid failed=0
+  for pid in "${pids[@]}"; do
+    wait "$pid" || failed=1
+  done
+  pids=()
+  if ((failed)); then
+    echo "bench/build.sh: a compile or link step failed (see above)" >&2
+    exit 1
+  fi
 }
 
 objs=()
@@ -27,19 +46,19 @@ for src in csrc/*.cpp csrc/cpu/*.cpp; do
   obj=bench/bin/obj/$(echo "${src%.cpp}" | tr / _).o
   if stale "$obj" "$src"; then
     echo "compile $src"
-    "$CXX" "${FLAGS[@]}" -c "$src" -o "$obj" &
+    spawn "$CXX" "${FLAGS[@]}" -c "$src" -o "$obj"
   fi
   objs+=("$obj")
 done
-wait
+wait_all
 
 for main in masked_linear_bench pack_segments_bench; do
   if stale bench/bin/$main bench/$main.cpp "${objs[@]}"; then
     echo "build bench/bin/$main"
-    "$CXX" "${FLAGS[@]}" bench/$main.cpp "${objs[@]}" -o bench/bin/$main "${LIBS[@]}" &
+    spawn "$CXX" "${FLAGS[@]}" bench/$main.cpp "${objs[@]}" -o bench/bin/$main "${LIBS[@]}"
   fi
 done
-wait
+wait_all
 
 # CUDA binaries: only when the installed subnet_ext was built with CUDA kernels.
 read -r WITH_CUDA CUDA_HOME ARCHS < <($PY -c "
@@ -73,8 +92,8 @@ CUDA_LIBS=(-ltorch_cuda -lc10_cuda -L"$CUDA_HOME/lib64" -Wl,-rpath,"$CUDA_HOME/l
 for main in masked_linear_cuda_bench pack_segments_cuda_bench; do
   if stale bench/bin/$main bench/$main.cpp "${objs[@]}" "${cuda_objs[@]}"; then
     echo "build bench/bin/$main"
-    "$CXX" "${FLAGS[@]}" -I"$CUDA_HOME/include" bench/$main.cpp "${objs[@]}" "${cuda_objs[@]}" -o bench/bin/$main \
-      "${LIBS[@]}" "${CUDA_LIBS[@]}" &
+    spawn "$CXX" "${FLAGS[@]}" -I"$CUDA_HOME/include" bench/$main.cpp "${objs[@]}" "${cuda_objs[@]}" \
+      -o bench/bin/$main "${LIBS[@]}" "${CUDA_LIBS[@]}"
   fi
 done
-wait
+wait_all

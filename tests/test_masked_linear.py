@@ -430,3 +430,90 @@ def test_check_indices_false_never_synchronises_cuda(compact, scatter):
         torch.testing.assert_close(a.grad, r.grad)
     torch.testing.assert_close(out, ref.masked_linear_backward(g, x, w, oi, ii, grad_out_full=scatter,
                                                                compact_weight=compact)[1])
+
+
+# ---- CUDA gathers and scatters: many blocks, misaligned operands, side streams ----
+
+needs_cuda = pytest.mark.skipif("cuda" not in DEVICES, reason="needs a GPU and the CUDA kernels")
+
+
+def _check_gather_scatter_exact(x, w, b, oi, ii, width):
+    """Gather (x_kept), scatter (y at columns R, zeros elsewhere) and the backward's
+    scatter of grad_x, all against exact equalities or the reference."""
+    y_full, x_kept, block = torch.ops.subnet_ext.masked_linear_forward(x, w, b, oi, ii, False, width)
+    y_compact = sx.masked_linear(x, w, b, oi, ii)
+    assert torch.equal(x_kept, x.reshape(-1, x.shape[-1])[:, ii]), "gather of x"
+    assert torch.equal(block, w[oi][:, ii]), "gather of the weight block"
+    assert torch.equal(y_full[..., oi], y_compact), "kept columns of the scatter"
+    rest = torch.ones(width, dtype=torch.bool, device=x.device)
+    rest[oi] = False
+    assert (y_full[..., rest] == 0).all(), "zero columns of the scatter"
+    g = torch.randn(y_compact.shape, device=x.device).to(x.dtype)
+    gx, gw, gb = sx.masked_linear_backward(g, x, w, oi, ii)
+    keep_in = torch.zeros(x.shape[-1], dtype=torch.bool, device=x.device)
+    keep_in[ii] = True
+    assert (gx[..., ~keep_in] == 0).all(), "zero columns of grad_x"
+    exact = ref.masked_linear_backward(g.double(), x.double(), w.double(), oi, ii)
+    tol = 1e-7 if x.dtype == torch.float64 else 1e-2
+    for name, a, e in zip(("grad_x", "grad_w", "grad_b"), (gx, gw, gb), exact):
+        torch.testing.assert_close(a.double(), e, rtol=tol, atol=tol, msg=name)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_cuda_many_blocks_grid_stride(dtype):
+    """70000 rows x 300 columns: more row blocks than one grid row, grid-stride loops."""
+    gen = torch.Generator().manual_seed(5)
+    n, width = 70000, 300
+    x = torch.randn(n, width, generator=gen).to("cuda", dtype)
+    w = torch.randn(width, width, generator=gen).to("cuda", dtype)
+    b = torch.randn(width, generator=gen).to("cuda", dtype)
+    oi = torch.randperm(width, generator=gen)[:151].cuda()
+    ii = torch.randperm(width, generator=gen)[:149].cuda()
+    _check_gather_scatter_exact(x, w, b, oi, ii, width)
+    # all columns kept and none: the inverse map's two extremes
+    _check_gather_scatter_exact(x, w, b, torch.randperm(width, generator=gen).cuda(), ii, width)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64])
+def test_cuda_misaligned_contiguous_operands(dtype):
+    """Operands that are contiguous slices of a flat buffer at an odd element offset."""
+    gen = torch.Generator().manual_seed(6)
+    n, out_f, in_f = 37, 45, 33
+    flat = torch.randn(1 + n * in_f + out_f * in_f + out_f, generator=gen).to("cuda", dtype)
+    x = flat[1 : 1 + n * in_f].view(n, in_f)
+    w = flat[1 + n * in_f : 1 + n * in_f + out_f * in_f].view(out_f, in_f)
+    b = flat[1 + n * in_f + out_f * in_f :]
+    assert x.is_contiguous() and x.data_ptr() % 16 != 0
+    oi = torch.randperm(out_f, generator=gen)[:20].cuda()
+    ii = torch.randperm(in_f, generator=gen)[:17].cuda()
+    _check_gather_scatter_exact(x, w, b, oi, ii, out_f)
+    out_flat = torch.full((3 + 20 * 17,), 5.0, device="cuda", dtype=dtype)
+    view = out_flat[3:].view(20, 17)
+    g = torch.randn(n, 20, generator=gen).to("cuda", dtype)
+    sx.masked_linear_grad_weight_(view, g, x, oi, ii)
+    torch.testing.assert_close(view.double(), g.double().t() @ x.double()[:, ii], rtol=2e-2, atol=2e-2)
+    assert (out_flat[:3] == 5).all()
+
+
+@needs_cuda
+def test_cuda_side_stream():
+    """Every launch goes to the current stream: results computed on a side stream are
+    complete once that stream is synchronised."""
+    gen = torch.Generator().manual_seed(7)
+    n, width = 4096, 300
+    x = torch.randn(n, width, generator=gen).cuda()
+    w = torch.randn(width, width, generator=gen).cuda()
+    b = torch.randn(width, generator=gen).cuda()
+    oi = torch.randperm(width, generator=gen)[:100].cuda()
+    ii = torch.randperm(width, generator=gen)[:120].cuda()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        y = sx.masked_linear(x, w, b, oi, ii, scatter_width=width, check_indices=False)
+        gx, gw, gb = sx.masked_linear_backward(y[:, oi].contiguous(), x, w, oi, ii, check_indices=False)
+    side.synchronize()
+    torch.testing.assert_close(y, ref.masked_linear(x, w, b, oi, ii, scatter_width=width))
+    for a, e in zip((gx, gw, gb), ref.masked_linear_backward(y[:, oi].contiguous(), x, w, oi, ii)):
+        torch.testing.assert_close(a, e)

@@ -24,6 +24,7 @@ __all__ = [
     "masked_linear_backward",
     "masked_linear_grad_weight_",
     "segment_table",
+    "PreparedSegments",
     "pack_segments",
     "unpack_average_",
 ]
@@ -164,19 +165,79 @@ def _buffer_size(segments: torch.Tensor) -> int:
     return int((segments[:, 5] + sizes).max())
 
 
+def _scales_tensor(scales) -> torch.Tensor:
+    if isinstance(scales, torch.Tensor):
+        return scales
+    return torch.tensor([float(s) for s in scales], dtype=torch.float64)
+
+
+class PreparedSegments:
+    """A segment table validated once for fixed tensors and buffer, reused by every call.
+
+    Pass it in place of `segments` to `pack_segments` / `unpack_average_`: the calls then
+    skip the validation (sorting, overlap checks) and, on CUDA, the per-call table upload
+    (no host-to-device copy, so a prepared call can be captured in a CUDA graph). Each call
+    only checks on the host, in O(#tensors) and without a device sync, that it is given the
+    tensors and buffer the table was prepared for (same addresses, shapes, dtype); other
+    tensors or another buffer raise ValueError: prepare again for them.
+
+    Changing `segments` (or a `scales` tensor) in place is noticed through the tensor's
+    version counter and the table is prepared again at the next call, never served stale.
+
+    Args:
+        tensors: contiguous tensors of one dtype and device (as in `pack_segments`).
+        segments: int64 CPU [S, 6] (see module docstring).
+        buffer: the 1-D buffer every call will use.
+        scales: None → the table serves `pack_segments` only; float CPU [S] or S floats →
+            it also serves `unpack_average_` (validated for disjoint writes once).
+    Attributes:
+        preparations: how many times the table was validated (1 unless it changed).
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor], segments: torch.Tensor, buffer: torch.Tensor, scales=None):
+        self.segments = segments
+        self.scales = None if scales is None else _scales_tensor(scales)
+        self.preparations = 0
+        self._prepare(tensors, buffer)
+
+    def _versions(self):
+        return self.segments._version, None if self.scales is None else self.scales._version
+
+    def _prepare(self, tensors, buffer):
+        self.host_table, self.device_table = _ops.prepare_segments.default(
+            list(tensors), self.segments, buffer, self.scales
+        )
+        self._prepared_versions = self._versions()
+        self.preparations += 1
+
+    def tables(self, tensors: Sequence[torch.Tensor], buffer: torch.Tensor):
+        """(host_table, device_table) for the prepared ops, prepared again if the table changed."""
+        if self._versions() != self._prepared_versions:
+            self._prepare(tensors, buffer)
+        return self.host_table, self.device_table
+
+
 def pack_segments(
-    tensors: Sequence[torch.Tensor], segments: torch.Tensor, buffer: Optional[torch.Tensor] = None
+    tensors: Sequence[torch.Tensor], segments, buffer: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
     """Gathers the rectangles of many tensors into one buffer (one launch on CUDA).
 
     Args:
         tensors: contiguous tensors of one dtype and device.
-        segments: int64 CPU [S, 6] (see module docstring).
-        buffer: 1-D destination; when None a zero buffer just large enough is made.
+        segments: int64 CPU [S, 6] (see module docstring), or a `PreparedSegments` for
+            these tensors and this buffer (validated once, no per-call upload).
+        buffer: 1-D destination; when None a zero buffer just large enough is made
+            (required with a PreparedSegments).
     Returns:
         the buffer. Elements outside every segment are left as they were.
     """
     tensors = list(tensors)
+    if isinstance(segments, PreparedSegments):
+        if buffer is None:
+            raise ValueError("pack_segments: a PreparedSegments needs the buffer it was prepared for, got None")
+        host_table, device_table = segments.tables(tensors, buffer)
+        _ops.pack_segments_prepared.default(tensors, host_table, device_table, buffer)
+        return buffer
     if buffer is None:
         if not tensors:
             raise ValueError("pack_segments: no tensors and no buffer given")
@@ -186,18 +247,31 @@ def pack_segments(
 
 
 def unpack_average_(
-    tensors: Sequence[torch.Tensor], segments: torch.Tensor, buffer: torch.Tensor, scales
+    tensors: Sequence[torch.Tensor], segments, buffer: torch.Tensor, scales=None
 ) -> None:
     """tensor[rectangle s] = buffer[segment s] * scales[s], in place (fp32 math for halves).
 
     Args:
-        tensors, segments, buffer: as in `pack_segments`; rectangles of one tensor must be
-            disjoint.
+        tensors, segments, buffer: as in `pack_segments`; no two rectangles may share
+            memory (even across tensors that are views of one storage), and no tensor may
+            share memory with the buffer.
         scales: float CPU tensor [S] or a sequence of S floats (typically 1/owner-count).
+            Omitted with a PreparedSegments: its own scales are used.
     """
-    if not isinstance(scales, torch.Tensor):
-        scales = torch.tensor([float(s) for s in scales], dtype=torch.float64)
-    _ops.unpack_average_.default(list(tensors), segments, buffer, scales)
+    tensors = list(tensors)
+    if isinstance(segments, PreparedSegments):
+        if scales is not None:
+            raise ValueError("unpack_average_: scales are part of the PreparedSegments; pass scales=None "
+                             "(or prepare a new table with the new scales)")
+        if segments.scales is None:
+            raise ValueError("unpack_average_: the PreparedSegments was prepared without scales (pack only); "
+                             "prepare it with scales to unpack")
+        host_table, device_table = segments.tables(tensors, buffer)
+        _ops.unpack_average_prepared_.default(tensors, host_table, device_table, buffer)
+        return
+    if scales is None:
+        raise ValueError("unpack_average_: scales are required with a plain segment table")
+    _ops.unpack_average_.default(tensors, segments, buffer, _scales_tensor(scales))
 
 
 # ---- fake (meta) kernels: shapes only, for torch.compile and FakeTensor tracing ----
@@ -252,6 +326,23 @@ def _pack_segments_fake(tensors, segments, buffer):
 
 @torch.library.register_fake("subnet_ext::unpack_average_")
 def _unpack_average_fake(tensors, segments, buffer, scales):
+    return None
+
+
+@torch.library.register_fake("subnet_ext::prepare_segments")
+def _prepare_segments_fake(tensors, segments, buffer, scales):
+    ctx = torch.library.get_ctx()
+    host = segments.new_empty((ctx.new_dynamic_size(),), dtype=torch.uint8)
+    return host, buffer.new_empty((ctx.new_dynamic_size(),), dtype=torch.uint8)
+
+
+@torch.library.register_fake("subnet_ext::pack_segments_prepared")
+def _pack_segments_prepared_fake(tensors, host_table, device_table, buffer):
+    return None
+
+
+@torch.library.register_fake("subnet_ext::unpack_average_prepared_")
+def _unpack_average_prepared_fake(tensors, host_table, device_table, buffer):
     return None
 
 

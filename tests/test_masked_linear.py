@@ -419,7 +419,7 @@ def test_check_indices_false_never_synchronises_cuda(compact, scatter):
         y = sx.masked_linear(*args, oi, ii, check_indices=False, **kw)
         y.backward(g)
         out = torch.empty(len(oi), len(ii), device="cuda")
-        sx.masked_linear_grad_weight_(out, g if scatter else g, x, oi, ii, grad_out_full=scatter,
+        sx.masked_linear_grad_weight_(out, g, x, oi, ii, grad_out_full=scatter,
                                       check_indices=False)
     finally:
         torch.cuda.set_sync_debug_mode(previous)
@@ -517,3 +517,20 @@ def test_cuda_side_stream():
     torch.testing.assert_close(y, ref.masked_linear(x, w, b, oi, ii, scatter_width=width))
     for a, e in zip((gx, gw, gb), ref.masked_linear_backward(y[:, oi].contiguous(), x, w, oi, ii)):
         torch.testing.assert_close(a, e)
+
+
+@pytest.mark.skipif("cuda" not in DEVICES or torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_cuda_second_device():
+    """Operands on cuda:1 while cuda:0 is current: every launch on the operands' device."""
+    x, w, b, oi, ii = operands("cuda:1", torch.float32, 0.5, compact=False, batch=(300,))
+    args = [t.clone().requires_grad_() for t in (x, w, b)]
+    with torch.cuda.device(0):
+        y = sx.masked_linear(*args, oi, ii, scatter_width=OUT, check_indices=False)
+        y.square().sum().backward()
+    assert y.device == torch.device("cuda:1")
+    refs = [t.clone().requires_grad_() for t in (x, w, b)]
+    want = ref.masked_linear(*refs, oi, ii, scatter_width=OUT)
+    want.square().sum().backward()
+    torch.testing.assert_close(y, want)
+    for a, r in zip(args, refs):
+        torch.testing.assert_close(a.grad, r.grad)

@@ -454,9 +454,12 @@ def _check_gather_scatter_exact(x, w, b, oi, ii, width):
     keep_in[ii] = True
     assert (gx[..., ~keep_in] == 0).all(), "zero columns of grad_x"
     exact = ref.masked_linear_backward(g.double(), x.double(), w.double(), oi, ii)
-    tol = 1e-7 if x.dtype == torch.float64 else 1e-2
+    # Relative to the largest magnitude: GEMMs over 70000 rows may reduce in split-K
+    # pieces (bf16 ones possibly rounded), so near-zero elements carry absolute errors.
+    tol = {torch.float64: 1e-10, torch.float32: 1e-4}.get(x.dtype, 2e-2)
     for name, a, e in zip(("grad_x", "grad_w", "grad_b"), (gx, gw, gb), exact):
-        torch.testing.assert_close(a.double(), e, rtol=tol, atol=tol, msg=name)
+        err = (a.double() - e).abs().max().item()
+        assert err <= tol * max(e.abs().max().item(), 1.0), f"{name}: max error {err:.3e} ({x.dtype})"
 
 
 @needs_cuda
@@ -514,9 +517,9 @@ def test_cuda_side_stream():
         y = sx.masked_linear(x, w, b, oi, ii, scatter_width=width, check_indices=False)
         gx, gw, gb = sx.masked_linear_backward(y[:, oi].contiguous(), x, w, oi, ii, check_indices=False)
     side.synchronize()
-    torch.testing.assert_close(y, ref.masked_linear(x, w, b, oi, ii, scatter_width=width))
+    torch.testing.assert_close(y, ref.masked_linear(x, w, b, oi, ii, scatter_width=width), rtol=1e-4, atol=1e-4)
     for a, e in zip((gx, gw, gb), ref.masked_linear_backward(y[:, oi].contiguous(), x, w, oi, ii)):
-        torch.testing.assert_close(a, e)
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-3)
 
 
 @pytest.mark.skipif("cuda" not in DEVICES or torch.cuda.device_count() < 2, reason="needs two GPUs")

@@ -25,6 +25,7 @@ from torch.autograd import Variable
 from .. import ops
 from ..planning.buckets import Bucket
 from .communicator import Communicator
+from .prepared import PreparedTables
 from ..planning.pieces import Piece
 
 Resolver = Callable[[Piece], tuple]  # piece -> (local tensor, rectangle) on this rank
@@ -113,6 +114,7 @@ class BucketedAverager:
         self._issued = []
         self._next = 0
         self.issued_during_backward = 0  # buckets issued before the backward ended (overlap)
+        self.prepared = PreparedTables()  # segment tables validated once per layout
 
     @property
     def buffer_bytes(self) -> int:
@@ -206,7 +208,8 @@ class BucketedAverager:
             pending.wait()
             tensors, table, scales = s.tensors(kind_issued, self.resolvers[kind_issued])
             if tensors:
-                ops.unpack_average_(tensors, table, s.buffer, scales)
+                key = (id(s), "unpack", kind_issued)
+                ops.unpack_average_(tensors, self.prepared.get(key, tensors, table, s.buffer, scales), s.buffer)
             if kind_issued == "gradients" and not self.comm.simulated:
                 for p, (offset, numel) in s.direct.items():
                     s.buffer.narrow(0, offset, numel).mul_(1.0 / len(p.owners))
@@ -223,5 +226,5 @@ class BucketedAverager:
             buffer.zero_()
         tensors, table, _ = s.tensors(kind, self.resolvers[kind])
         if tensors:
-            ops.pack_segments(tensors, table, buffer)
+            ops.pack_segments(tensors, self.prepared.get((id(s), "pack", kind), tensors, table, buffer), buffer)
         self._issued.append((s, kind, self.comm.all_reduce(buffer, s.bucket.owners, kind)))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops
+from .prepared import PreparedTables
 from .communicator import Communicator
 from ..planning.pieces import Piece
 from .averaging import Resolver
@@ -31,6 +32,7 @@ class CopyRefresher:
                  kind: str = "refresh"):
         self.rank, self.resolve, self.comm, self.kind = rank, resolve, comm, kind
         self.broadcasts = []  # (leader, representative piece per tensor slot, table, rows to copy, total)
+        self.prepared = PreparedTables()  # segment tables validated once per layout
         if world_size == 1:
             return
         for leader in range(world_size):
@@ -51,11 +53,12 @@ class CopyRefresher:
                 self.broadcasts.append((leader, slots, table, table[keep], total))
 
     def __call__(self) -> None:
-        for leader, slots, table, keep_table, total in self.broadcasts:
+        for i, (leader, slots, table, keep_table, total) in enumerate(self.broadcasts):
             tensors = [self.resolve(p)[0] for p in slots]
             buffer = torch.empty(total, dtype=tensors[0].dtype, device=tensors[0].device)
             if self.rank == leader:
-                ops.pack_segments(tensors, table, buffer)
+                ops.pack_segments(tensors, self.prepared.get((i, "pack"), tensors, table, buffer), buffer)
             self.comm.broadcast(buffer, leader, self.kind)
             if len(keep_table) and not self.comm.simulated:
-                ops.unpack_average_(tensors, keep_table, buffer, torch.ones(len(keep_table), dtype=torch.float32))
+                ones = torch.ones(len(keep_table), dtype=torch.float32)
+                ops.unpack_average_(tensors, self.prepared.get((i, "unpack"), tensors, keep_table, buffer, ones), buffer)

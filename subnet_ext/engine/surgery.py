@@ -188,8 +188,10 @@ class DirectGradient:
         grad = self.param.grad
         if grad is not None and grad.data_ptr() != self.view.data_ptr():
             self.view.copy_(grad)  # a gradient put there by someone else: keep accumulating onto it
+        # The indices come from the plan (distinct, in range, on the device): no re-validation,
+        # which on CUDA would copy them to the host and synchronise at every layer.
         ops.masked_linear_grad_weight_(self.view, g2, x2, rows, cols, grad_out_full=True,
-                                       accumulate=grad is not None)
+                                       accumulate=grad is not None, check_indices=False)
         self.param.grad = self.view
         if last_use:
             self.ready(self.piece)
@@ -256,7 +258,7 @@ class _OwnedLinearFunction(torch.autograd.Function):
         last_use = ctx.use_count is None or ctx.use_count.backward_ran()
         gx, gw, gb = ops.masked_linear_backward(
             g2, x2, weight, rows, cols, compact_weight=False, grad_out_full=True, dense_grad_input=True,
-            output_mask=(ctx.needs_input_grad[0], not any_direct, owned_bias))
+            output_mask=(ctx.needs_input_grad[0], not any_direct, owned_bias), check_indices=False)
         if not any_direct:
             grads = list(gw.split(ctx.splits, dim=ctx.dim))
         else:
@@ -269,7 +271,7 @@ class _OwnedLinearFunction(torch.autograd.Function):
                 else:
                     grads.append(ops.masked_linear_backward(
                         g2, x2, weight, r, c, grad_out_full=True, dense_grad_input=True,
-                        output_mask=(False, True, False))[1])
+                        output_mask=(False, True, False), check_indices=False)[1])
         if owned_bias:
             grads += list(gb.split(ctx.splits))
         grad_x = gx.reshape(x.shape) if gx is not None else None

@@ -31,7 +31,12 @@ RECORDED = FIXED + ("level", "regime", "coverage", "sync_every", "scale")
 
 
 def identity(args) -> dict:
-    return {k: getattr(args, k, None) for k in RECORDED}
+    """What a checkpoint was written by: FIXED (must match on resume), the SDP settings and
+    the optimizer-step settings ("training": precision, clipping, schedule, accumulation...,
+    recorded, free to change on resume)."""
+    from .training import training_settings
+
+    return {**{k: getattr(args, k, None) for k in RECORDED}, "training": training_settings(args)}
 
 
 # ----------------------------------------------------------------------------- RNG

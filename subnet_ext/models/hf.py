@@ -84,8 +84,8 @@ def load_hf_causal_lm(folder: str) -> HFCausalLM:
     _config_path(folder)
     transformers = _transformers()
     if has_weights(folder):
-        model = transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     else:
         config = transformers.AutoConfig.from_pretrained(folder)
-        model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return HFCausalLM(model)

@@ -93,7 +93,8 @@ class Method:
         return self.module
 
     def __call__(self, x):
-        return (self._compiled or self.forward_module())(x)
+        # `is None`, not `or`: a compiled module's truth value asks its len(), which wrappers lack.
+        return (self.forward_module() if self._compiled is None else self._compiled)(x)
 
     def compile(self) -> None:
         """torch.compile the training forward (--compile); evaluation stays eager."""

@@ -19,7 +19,8 @@ import subnet_ext as sx
 from subnet_ext import reference
 from subnet_ext.models import ResidualMLP
 from subnet_ext.planning.pieces import global_pieces
-from subnet_ext.state.slots import area, full_rect
+from subnet_ext.planning.pieces import full_rectangle
+from subnet_ext.state.slots import area
 from subnet_ext.cli.train import build_parser, check_args
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -66,7 +67,7 @@ def _assert_usable(plan):
     plan.check()
     tiled = {}
     for p in global_pieces(plan):
-        tiled[p.name] = tiled.get(p.name, 0) + area(full_rect(plan, p))
+        tiled[p.name] = tiled.get(p.name, 0) + area(full_rectangle(plan, p))
     for name, shape in plan.tensor_shapes.items():
         if plan.is_float(name):
             assert tiled.get(name) == math.prod(shape), (name, shape, tiled.get(name))

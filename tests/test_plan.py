@@ -153,6 +153,7 @@ def test_plan_cli_1b_at_world_size_8(capsys):
     assert main(["--model", "llama", "--preset", "1b", "--world-size", "8", "--coverage", "0.25"]) == 0
     out = capsys.readouterr().out
     assert "1100.0M parameters" in out and "| ddp |" in out and "| fsdp |" in out and "sdp (block" in out
+    assert "imbalance (max/mean - 1): bytes" in out and "(traced one forward of [1, 64] int64)" in out
     with pytest.raises(SystemExit):
         main(["--coverage", "0"])
     assert "--coverage must be in (0, 1]" in capsys.readouterr().err

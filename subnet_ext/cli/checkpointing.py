@@ -30,6 +30,12 @@ FIXED = ("method", "model", "preset", "data", "width", "seed")
 RECORDED = FIXED + ("level", "regime", "coverage", "sync_every", "scale")
 
 
+def stream_seed(seed: int, step: int, rank: int) -> int:
+    """The random seed of (run seed, step, rank): distinct per rank and step, the same
+    after a restart (used for batches and for RNG states a checkpoint lacks)."""
+    return (seed * 1_000_003 + step) * 4099 + rank
+
+
 def identity(args) -> dict:
     """What a checkpoint was written by: FIXED (must match on resume), the SDP settings and
     the optimizer-step settings ("training": precision, clipping, schedule, accumulation...,
@@ -64,7 +70,7 @@ def restore_rng(saved_ranks: list, rank: int, world: int, seed: int, step: int) 
         if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all([_decode(s) for s in cuda])
         return
-    torch.manual_seed((seed * 1_000_003 + step) * 4099 + rank)
+    torch.manual_seed(stream_seed(seed, step, rank))
 
 
 # ----------------------------------------------------------------------------- method state
@@ -164,7 +170,8 @@ def _assemble_sdp(folder, manifest, available) -> dict:
     from ..state.optim_state import MODEL
     from ..planning.pieces import global_pieces
     from ..planning.plan import SubnetPlan
-    from ..state.slots import as_2d, full_rect, piece_key
+    from ..planning.pieces import full_rectangle
+    from ..state.slots import as_2d, piece_key
 
     plan = SubnetPlan.from_json(manifest["plan"])
     out = {n: torch.zeros(shape, dtype=getattr(torch, plan.tensor_dtypes[n]))
@@ -176,7 +183,7 @@ def _assemble_sdp(folder, manifest, available) -> dict:
                     if not plan.is_float(n)})
     read_state(folder, request)
     for p in pieces:
-        r0, r1, c0, c1 = full_rect(plan, p)
+        r0, r1, c0, c1 = full_rectangle(plan, p)
         as_2d(out[p.name])[r0:r1, c0:c1].copy_(request[MODEL + piece_key(p)])
     for n in out:
         if not plan.is_float(n):

@@ -23,7 +23,7 @@ class WorkerError(RuntimeError):
     """A local worker failed; the message is its exception (type and text) and its rank."""
 
 
-def _clean_stop_types() -> tuple:
+def clean_stop_types() -> tuple:
     """Errors a run detects and stops on by design: reported in one line, no traceback."""
     from ..state.checkpoint import CheckpointError
     from ..comm.collectives import CollectiveError
@@ -149,7 +149,7 @@ def _worker(local_rank: int, nproc: int, port: int, fn: Callable, args, threads:
     torch.set_num_threads(threads)
     try:
         fn(args)
-    except _clean_stop_types() as e:
+    except clean_stop_types() as e:
         print(f"[rank {local_rank}] stopped: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         raise
     except BaseException:

@@ -11,7 +11,7 @@ collective has a deadline (`--timeout`).
 """
 from __future__ import annotations
 
-import json
+import contextlib
 import sys
 import time
 from argparse import Namespace
@@ -43,9 +43,12 @@ def make_method(args: Namespace, model, device):
     if args.method == "fsdp":
         return FSDPMethod(model, device)
     from ..planning.plan import plan_subnetworks
+    from .plan import sample_input_for
 
+    # FLOPs traced at the task's input size, so blocks are balanced by compute as well as bytes
+    sample = sample_input_for(args.model, model, getattr(args, "seq_len", 64), getattr(args, "data", None))
     plan = plan_subnetworks(model, world_size=data_rank(args)[1], coverage=args.coverage, level=args.level,
-                            seed=args.seed)
+                            seed=args.seed, sample_input=sample)
     return SDPMethod(model, plan, args.regime, args.sync_every, args.scale, bucket_cap_mb=bucket_cap_mb,
                      overlap=not getattr(args, "no_overlap", False), simulate_rank=getattr(args, "simulate_rank", None),
                      timeout=args.timeout)
@@ -207,14 +210,6 @@ def _median(xs):
     return xs[len(xs) // 2] if xs else 0.0
 
 
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 def _progress(rank, start, total):
     from tqdm import tqdm
 
@@ -222,7 +217,3 @@ def _progress(rank, start, total):
     return tqdm(total=total, initial=start, disable=rank != 0 or not sys.stderr.isatty(), desc="train",
                 leave=False, dynamic_ncols=True, mininterval=0.5)
 
-
-def dump_json(obj, path):
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2, default=str)

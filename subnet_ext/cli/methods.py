@@ -198,7 +198,6 @@ class FSDPMethod(Method):
             fully_shard(block)
         fully_shard(model)
         self.steps = 0
-        self.full_numel = None
 
     @contextlib.contextmanager
     def no_sync(self):

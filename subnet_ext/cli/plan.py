@@ -3,6 +3,9 @@
     subnet-plan --model llama --preset 1b --world-size 8 --coverage 0.25 --level block
 
 The model is built on the meta device (no memory, instant even for the 1B preset).
+FLOPs are traced from one forward of a sample input on the meta device (resnet
+3x32x32 images, mlp its 64 features, llama [1, --seq-len] tokens), so the bytes and
+FLOP imbalances printed are those of the plan's subnetworks at that input size.
 Model state assumes fp32 parameters and gradients and AdamW (8 bytes per parameter);
 communication is per step, as ring all-reduce bytes moved per rank (DESIGN.md §2).
 """
@@ -12,6 +15,7 @@ import argparse
 import sys
 
 import torch
+import torch.nn as nn
 
 from ..planning.costs import choose_strategy, predicted_comm
 from ..models import LLAMA_PRESETS, build_model
@@ -31,8 +35,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--level", choices=("block", "neuron"), default="block")
     p.add_argument("--regime", choices=("forward", "backward"), default="forward")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seq-len", type=int, default=64, help="llama: tokens in the traced sample (FLOPs)")
     p.add_argument("--json", default=None, help="also write the plan as JSON to this path")
     return p
+
+
+def sample_input_for(model_name: str, model: nn.Module, seq_len: int = 64, data: str | None = None):
+    """(shape, dtype) of one sample `model` reads, for plan_subnetworks(sample_input=...).
+
+    llama: ([1, seq_len], int64) tokens; mlp/plain_mlp: ([1, in_features], param dtype);
+    resnet: ([1, in_channels, s, s], param dtype) with s = 8 for --data digits, else 32
+    (CIFAR). Raises ValueError for another model name or a non-positive seq_len.
+    """
+    if model_name == "llama":
+        if not isinstance(seq_len, int) or seq_len < 1:
+            raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+        return (1, seq_len), torch.long
+    floats = [p.dtype for p in model.parameters() if p.is_floating_point()]
+    dtype = floats[0] if floats else torch.float32
+    if model_name in ("mlp", "plain_mlp"):
+        first = next(m for m in model.modules() if isinstance(m, nn.Linear))
+        return (1, first.in_features), dtype
+    if model_name == "resnet":
+        first = next(m for m in model.modules() if isinstance(m, nn.Conv2d))
+        side = 8 if data == "digits" else 32
+        return (1, first.in_channels, side, side), dtype
+    raise ValueError(f"no sample input known for model {model_name!r}; expected llama, mlp, plain_mlp or resnet")
 
 
 def cost_table(plan, regime: str) -> str:
@@ -70,12 +98,15 @@ def main(argv=None) -> int:
     try:
         with torch.device("meta"):
             model = build_model(args.model, preset=args.preset, **kw)
-        plan = plan_subnetworks(model, args.world_size, args.coverage, args.level, args.seed)
+        plan = plan_subnetworks(model, args.world_size, args.coverage, args.level, args.seed,
+                                sample_input=sample_input_for(args.model, model, args.seq_len))
     except ValueError as e:
         parser.error(str(e))
     n = sum(p.numel() for p in model.parameters())
     print(f"model {args.model}{' ' + args.preset if args.preset else ''}: {n / 1e6:.1f}M parameters\n")
     print(plan.summary())
+    imb = plan.imbalance
+    print(f"\nimbalance (max/mean - 1): bytes {imb['bytes']:.1%}, FLOPs {imb['flops']:.1%} ({plan.flops_source})")
     print("\nPredicted per-rank costs (fp32 + AdamW; ring all-reduce bytes):\n")
     print(cost_table(plan, args.regime))
     if args.json:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data.sharding import ShardedBatches
+from .checkpointing import stream_seed
 from ..models.registry import build_model
 
 
@@ -145,8 +146,7 @@ def _language_task(data, model, preset, batch_size, seq_len, seed, eval_steps=4)
 
     def batch(step, rank, world, micro=0, micro_steps=1):
         # Distinct streams per (rank, step, micro-batch); the same after a restart.
-        index = _batch_index(step, micro, micro_steps)
-        gen = torch.Generator().manual_seed((seed * 1_000_003 + index) * 4099 + rank)
+        gen = torch.Generator().manual_seed(stream_seed(seed, _batch_index(step, micro, micro_steps), rank))
         return train_src.batch(batch_size, gen)
 
     def eval_batches():

@@ -273,16 +273,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
-    from ..state.checkpoint import CheckpointError
-    from ..comm.collectives import CollectiveError
-    from ..state.consistency import ConsistencyError
-    from ..engine.guard import TooManySkippedSteps
-    from .launch import WorkerError
+    from .launch import WorkerError, clean_stop_types
 
     torchrun = under_torchrun()  # before run(): a one-process run sets the same variables itself
     try:
         report = run(args)
-    except (TooManySkippedSteps, ConsistencyError, CollectiveError, CheckpointError, WorkerError) as e:
+    except clean_stop_types() + (WorkerError,) as e:
         # Failures the run detected and stopped on cleanly: one message, no traceback.
         print(f"subnet-train: stopped: {e}", file=sys.stderr)
         if torchrun:

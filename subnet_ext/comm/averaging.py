@@ -17,7 +17,10 @@ from __future__ import annotations
 
 from typing import Callable
 
+import contextlib
+
 import torch
+from torch.autograd import Variable
 
 from .. import ops
 from ..planning.buckets import Bucket
@@ -82,13 +85,26 @@ class BucketedAverager:
         rank: this rank in the plan's numbering.
         communicator: issues (or simulates) the collectives and counts them.
         device: where the buffers live.
-        resolvers: {"gradients": Resolver, "parameters": Resolver}.
+        layout: the rank's RankLayout (state/layout.py): its resolve_grad and resolve_value
+            say where each piece's gradient and value live.
         overlap: issue a bucket during the backward as soon as it is ready.
+        trainable_ids: ids of the parameters whose gradient hooks report to
+            `on_param_grad_ready` (the engine's trainable parameters).
+        average_gradients: False with sync_every > 1 (parameters are averaged after
+            optimizer steps instead): the gradient hooks then do nothing.
+
+    One backward's state lives here: whether the end-of-backward callback is queued,
+    which buckets were issued, how many gradients each bucket still waits for.
     """
 
     def __init__(self, buckets: list[Bucket], rank: int, communicator: Communicator, device: torch.device,
-                 resolvers: dict, overlap: bool = True):
-        self.comm, self.device, self.resolvers, self.overlap = communicator, device, resolvers, overlap
+                 layout, overlap: bool = True, trainable_ids: set = frozenset(), average_gradients: bool = True):
+        self.comm, self.device, self.overlap = communicator, device, overlap
+        self.average_gradients = average_gradients
+        self.sync_enabled = True  # False inside no_sync()
+        self._queued = False  # the end-of-backward callback is queued on the autograd engine
+        self._pieces_of_param = layout.pieces_by_parameter(set(trainable_ids))
+        self.resolvers = {"gradients": layout.resolve_grad, "parameters": layout.resolve_value}
         self.states = [_BucketState(b, rank, communicator.simulated) for b in buckets if rank in b.owners]
         self.buckets_of_piece = {}
         for i, s in enumerate(self.states):
@@ -119,16 +135,56 @@ class BucketedAverager:
         offset = dict(s.held)[piece]
         s.direct[piece] = (offset, numel)
         s.tables.pop("gradients", None)
+        # Its readiness now comes from the kernel's call (on_grad_ready), not from the
+        # parameter's accumulate hook, which would report it a second time.
+        for pieces in self._pieces_of_param.values():
+            if piece in pieces:
+                pieces.remove(piece)
         return s.ensure_buffer(self.device).narrow(0, offset, numel)
 
-    def start_backward(self) -> None:
+    def direct_gradient_pieces(self) -> set:
+        """The pieces whose gradient a kernel writes straight into a bucket buffer."""
+        return {p for s in self.states for p in s.direct}
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside only accumulate into `.grad`; nothing is communicated."""
+        previous = self.sync_enabled
+        self.sync_enabled = False
+        try:
+            yield
+        finally:
+            self.sync_enabled = previous
+
+    def on_param_grad_ready(self, param) -> None:
+        """A post-accumulate-grad hook's report: `param`'s gradient is final for this backward."""
+        self.on_grad_ready(self._pieces_of_param.get(id(param), ()))
+
+    def on_grad_ready(self, pieces) -> None:
+        """The gradients of these held pieces are final for this backward. The first report
+        of a backward queues `finish` on the autograd engine for when the backward ends."""
+        if not self.average_gradients or not self.sync_enabled:
+            return  # local SGD (parameters are averaged after optimizer steps instead), or no_sync()
+        if not self._queued:
+            self._queued = True
+            self._start_backward()
+            Variable._execution_engine.queue_callback(self._after_backward)
+        with torch.no_grad():
+            self._grad_ready(pieces)
+
+    def _after_backward(self) -> None:
+        self._queued = False
+        with torch.no_grad():
+            self.finish("gradients")
+
+    def _start_backward(self) -> None:
         """Called when the first gradient of a backward is ready."""
         for s in self.states:
             s.pending = s.param_pieces
         self._issued, self._next = [], 0
 
-    def grad_ready(self, pieces) -> None:
-        """The gradient of these pieces' parameter is final for this backward."""
+    def _grad_ready(self, pieces) -> None:
+        """Count these pieces ready and issue, in order, every bucket that is complete."""
         for p in pieces:
             for i in self.buckets_of_piece.get(p, ()):
                 self.states[i].pending -= 1
@@ -169,49 +225,3 @@ class BucketedAverager:
         if tensors:
             ops.pack_segments(tensors, table, buffer)
         self._issued.append((s, kind, self.comm.all_reduce(buffer, s.bucket.owners, kind)))
-
-
-class CopyRefresher:
-    """Backward regime: after each optimizer step, each leader (lowest owner) broadcasts the
-    pieces it leads that some rank lacks, and the ranks that do not own a piece overwrite
-    their copy (exact, scale 1). One broadcast per (leader, dtype), in leader order; the
-    layout is static, so it is built once. Simulated: the leader's packing and the bytes
-    are kept, the copies are left as they are.
-
-    Buffers are allocated per call, not kept: they hold every unit some rank lacks, which in
-    the backward regime (full parameters on every rank) would be a second copy of most of
-    the model.
-    """
-
-    def __init__(self, pieces: list[Piece], rank: int, world_size: int, resolve: Resolver, comm: Communicator,
-                 kind: str = "refresh"):
-        self.rank, self.resolve, self.comm, self.kind = rank, resolve, comm, kind
-        self.broadcasts = []  # (leader, representative piece per tensor slot, table, rows to copy, total)
-        if world_size == 1:
-            return
-        for leader in range(world_size):
-            by_dtype = {}
-            for p in pieces:
-                if p.owners[0] == leader and len(p.owners) < world_size:
-                    tensor, rect = resolve(p)
-                    by_dtype.setdefault(tensor.dtype, []).append((p, tensor, rect))
-            for items in by_dtype.values():
-                slots, index, rects = [], {}, []
-                for p, t, rect in items:
-                    if id(t) not in index:
-                        index[id(t)] = len(slots)
-                        slots.append(p)
-                    rects.append((index[id(t)], *rect))
-                table, total = ops.segment_table(rects)
-                keep = [i for i, (p, _, _) in enumerate(items) if rank not in p.owners]
-                self.broadcasts.append((leader, slots, table, table[keep], total))
-
-    def __call__(self) -> None:
-        for leader, slots, table, keep_table, total in self.broadcasts:
-            tensors = [self.resolve(p)[0] for p in slots]
-            buffer = torch.empty(total, dtype=tensors[0].dtype, device=tensors[0].device)
-            if self.rank == leader:
-                ops.pack_segments(tensors, table, buffer)
-            self.comm.broadcast(buffer, leader, self.kind)
-            if len(keep_table) and not self.comm.simulated:
-                ops.unpack_average_(tensors, keep_table, buffer, torch.ones(len(keep_table), dtype=torch.float32))

@@ -106,3 +106,46 @@ def all_gather(tensor: torch.Tensor, group=None, timeout: float | None = None, l
     work = dist.all_gather(parts, tensor.contiguous(), group=group, async_op=True)
     wait(work, "all_gather", label or group_ranks(group), timeout)
     return torch.stack(parts)
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> dict:
+    """{dtype: [indices into tensors]}, in first-seen order (the same on every rank when
+    every rank passes the same list of shapes and dtypes)."""
+    out = {}
+    for i, t in enumerate(tensors):
+        out.setdefault(t.dtype, []).append(i)
+    return out
+
+
+def all_reduce_by_dtype(tensors: list[torch.Tensor], group=None, op=dist.ReduceOp.SUM, timeout: float | None = None,
+                        label: str | None = None, operation: str = "all_reduce") -> list[torch.Tensor]:
+    """All-reduce a list of tensors with one collective per dtype (flattened and concatenated).
+
+    Args:
+        tensors: any shapes; every rank passes the same shapes and dtypes in the same order.
+        op, timeout: as `all_reduce`. label: the group's description in errors;
+            operation: the collective's name in errors (e.g. "all_reduce (full state)").
+    Returns:
+        the reduced tensors, same shapes and order (views of the per-dtype flat buffers;
+        the inputs are left as they were).
+    """
+    out = list(tensors)
+    for indices in _by_dtype(tensors).values():
+        flat = torch.cat([tensors[i].reshape(-1) for i in indices])
+        work = dist.all_reduce(flat, op=op, group=group, async_op=True)
+        wait(work, operation, label or group_ranks(group), timeout)
+        for i, part in zip(indices, flat.split([tensors[i].numel() for i in indices])):
+            out[i] = part.view(tensors[i].shape)
+    return out
+
+
+def broadcast_by_dtype(tensors: list[torch.Tensor], src: int, group=None, timeout: float | None = None,
+                       label: str | None = None) -> None:
+    """Overwrite every tensor of the list with global rank `src`'s values, one broadcast per
+    dtype (flattened and concatenated). Every rank passes the same shapes and dtypes."""
+    with torch.no_grad():
+        for indices in _by_dtype(tensors).values():
+            flat = torch.cat([tensors[i].detach().reshape(-1) for i in indices])
+            broadcast(flat, src, group, timeout, label)
+            for i, part in zip(indices, flat.split([tensors[i].numel() for i in indices])):
+                tensors[i].copy_(part.view(tensors[i].shape))

@@ -12,33 +12,37 @@ gradients are ready, and a callback queued on the autograd engine by the first h
 issues the rest, waits and unpacks when the backward ends. After each optimizer step
 over these parameters (a global optimizer step hook) the engine counts the step,
 averages parameters every `sync_every` steps when sync_every > 1, and in the backward
-regime refreshes the copies of units this rank does not own. All of these issue
+regime, at those same synchronisation points (every step when sync_every=1), refreshes
+the copies of units this rank does not own; between them those copies keep their last
+refreshed values and the full forward uses them. All of these issue
 collectives in one global order, so they cannot deadlock.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import weakref
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.autograd import Variable
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ..comm.averaging import BucketedAverager, CopyRefresher
+from ..comm.averaging import BucketedAverager
+from ..comm.refresh import CopyRefresher
 from ..planning.buckets import DEFAULT_BUCKET_CAP_MB, build_buckets
 from ..comm.communicator import CommCounter, Communicator, SimulatedCommunicator
 from ..comm import collectives
 from ..state import consistency
-from . import guard
+from . import guard, reports
 from ..state import optim_state
 from ..comm.collectives import as_timedelta
-from ..planning.costs import DEFAULT_LATENCY_BYTES, choose_strategy, predicted_comm
-from ..planning.pieces import global_pieces, local_starts, rectangle
+from ..planning.costs import DEFAULT_LATENCY_BYTES, choose_strategy
+from ..planning.pieces import global_pieces
 from ..planning.plan import SubnetPlan, model_fingerprint
+from ..state.aliases import retie, with_aliases, without_aliases
 from ..state.assembly import assemble, load_pieces
+from ..state.layout import RankLayout
+from .restore import restore_structure
 from .surgery import attach_direct_gradients, materialise_forward, prepare_backward
 
 REGIMES = ("forward", "backward")
@@ -149,36 +153,31 @@ class SubnetDataParallel(nn.Module):
         self._sync_initial_state(model)
         self.__dict__["_skeleton"] = _meta_skeleton(model)  # not a submodule: no state of its own
 
-        self.pieces = global_pieces(plan)
+        pieces = global_pieces(plan)
         if regime == "forward":
-            self._hooks = materialise_forward(model, plan, self.pieces, self.rank, scale)
-            self._piece_params, self._value_refs = {}, {}
+            self._hooks = materialise_forward(model, plan, pieces, self.rank, scale)
+            piece_params, value_refs = {}, {}
         else:
-            self._hooks = []
-            self._piece_params, self._value_refs = prepare_backward(model, plan, self.pieces, self.rank)
+            piece_params, value_refs, self._hooks = prepare_backward(model, plan, pieces, self.rank)
         self.module = model
-        self.local_start = local_starts(self.pieces, self.rank, compact=regime == "forward")
-        self.integer_entries = self._integer_entries()
+        self.layout = RankLayout(plan, self.rank, self.world_size, self.device, model, compact=regime == "forward",
+                                 piece_params=piece_params, value_refs=value_refs)
+        self.pieces, self.local_start = self.layout.pieces, self.layout.local_start
+        self.integer_entries = self.layout.integer_entries
 
-        self._setup_communication(strategy, latency_bytes, bucket_cap_mb * 2**20, overlap, timeout)
         self._trainable = [p for p in model.parameters() if p.requires_grad]
         self._trainable_ids = {id(p) for p in self._trainable}
-        self._pieces_of_param = self._map_pieces_to_parameters()
+        self._setup_communication(strategy, latency_bytes, bucket_cap_mb * 2**20, overlap, timeout)
         # Backward regime: the masked kernel writes owned weight gradients into their buckets.
         self.direct_gradient_runs = 0
         if regime == "backward" and sync_every == 1:
             self.direct_gradient_runs = attach_direct_gradients(
-                model, self._piece_params, self._averager.direct_gradient_view,
-                _weak_call(weakref.ref(self), lambda engine, piece: engine._pieces_ready((piece,))))
-            # Their readiness comes from the kernel's call, not from the (empty) accumulate hook.
-            for direct in {p for s in self._averager.states for p in s.direct}:
-                del self._pieces_of_param[id(self._piece_params[direct])]
-        self._queued = False
-        self._sync_grads = True  # False inside no_sync()
+                model, self.layout.piece_params, self._averager.direct_gradient_view,
+                _weak_call(weakref.ref(self), lambda engine, piece: engine._averager.on_grad_ready((piece,))))
         self.optimizer_steps = 0
         for p in self._trainable:
             self._hooks.append(p.register_post_accumulate_grad_hook(
-                _weak_call(weakref.ref(self), SubnetDataParallel._on_grad_ready)))
+                _weak_call(weakref.ref(self), lambda engine, param: engine._averager.on_param_grad_ready(param))))
         # Hooks hold the engine weakly. The optimizer-hook registry is global, and a tensor's
         # hooks are kept from C++, where Python's garbage collector cannot see the cycle
         # parameter -> hook -> engine -> module -> parameter: strong references would keep
@@ -198,75 +197,23 @@ class SubnetDataParallel(nn.Module):
         owner_sets = [b.owners for b in self.buckets]  # the groups averaging uses; the refresh uses the world
         self._comm = SimulatedCommunicator(self.world_size, self.rank, self.counter) if self.simulated else \
             Communicator(owner_sets, self.world_size, self.rank, self.process_group, self.counter, timeout)
-        self._averager = BucketedAverager(self.buckets, self.rank, self._comm, self.device,
-                                          {"gradients": self._resolve_grad, "parameters": self._resolve_value},
-                                          overlap=overlap)
-        self._refresh = CopyRefresher(self.pieces, self.rank, self.world_size, self._resolve_value, self._comm) \
+        self._averager = BucketedAverager(self.buckets, self.rank, self._comm, self.device, self.layout,
+                                          overlap=overlap, trainable_ids=self._trainable_ids,
+                                          average_gradients=self.sync_every == 1)
+        self._refresh = CopyRefresher(self.pieces, self.rank, self.world_size, self.layout.resolve_value,
+                                      self._comm) \
             if self.regime == "backward" else None
 
     # ------------------------------------------------------------------ lookup
     def value_of(self, name: str) -> torch.Tensor:
         """The local tensor holding state-dict entry `name` (compact in the forward regime)."""
-        if name in self._value_refs:
-            module, attr = self._value_refs[name]
-            return getattr(module, attr)
-        path, _, leaf = name.rpartition(".")
-        module = self.module.get_submodule(path)
-        if leaf in module._parameters:
-            return module._parameters[leaf]
-        return module._buffers[leaf]
-
-    def _integer_entries(self) -> dict:
-        """Non-float entries (e.g. BatchNorm's num_batches_tracked) -> the rank that reports them."""
-        out = {}
-        block_of = {n: a for g, (a, _) in zip(self.plan.groups, self.plan.unit_ranges) for n in g.params + g.buffers}
-        for name in self.plan.tensor_shapes:
-            if self.plan.is_float(name):
-                continue
-            unit = block_of.get(name)
-            out[name] = 0 if unit is None else int(torch.nonzero(self.plan.owners[:, unit])[0])
-        return out
+        self._check_open("value_of")
+        return self.layout.value_of(name)
 
     def holds_whole(self, name: str) -> bool:
-        try:
-            self.value_of(name)
-            return True
-        except (AttributeError, KeyError):
-            return False
-
-    def _map_pieces_to_parameters(self) -> dict:
-        """id(trainable parameter) -> the pieces held here whose gradient it carries."""
-        out = {}
-        for p in self.pieces:
-            if not p.is_param or self.rank not in p.owners:
-                continue
-            param = self._piece_params.get(p)
-            if param is None:
-                param = self.value_of(p.name)
-            if id(param) in self._trainable_ids:
-                out.setdefault(id(param), []).append(p)
-        return out
-
-    def _resolve_value(self, piece):
-        t = self.value_of(piece.name)
-        return t, rectangle(t.shape, piece.dim, self.local_start[piece], piece.length)
-
-    def _resolve_grad(self, piece):
-        if not piece.is_param:
-            return self._resolve_value(piece)  # buffers (norm statistics) are averaged as values
-        if piece in self._piece_params:
-            param, rect_of = self._piece_params[piece], None
-        else:
-            param = self.value_of(piece.name)
-            rect_of = (piece.dim, self.local_start[piece], piece.length)
-        if param.grad is None:
-            param.grad = torch.zeros_like(param, memory_format=torch.contiguous_format)
-        elif not param.grad.is_contiguous():
-            param.grad = param.grad.contiguous()
-        g = param.grad
-        rect = rectangle(g.shape, 0, 0, g.shape[0] if g.dim() else 1) if rect_of is None else \
-            rectangle(g.shape, *rect_of)
-        return g, rect
+        """True when this rank holds state-dict entry `name` as a local tensor."""
+        self._check_open("holds_whole")
+        return self.layout.holds_whole(name)
 
     # ------------------------------------------------------------------ sync points
     def _sync_initial_state(self, model: nn.Module) -> None:
@@ -274,35 +221,8 @@ class SubnetDataParallel(nn.Module):
         if self.world_size == 1 or self.simulated or not dist.is_initialized():
             return
         src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
-        tensors = [t for t in model.state_dict(keep_vars=True).values()]
-        by_dtype = {}
-        for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
-        with torch.no_grad():
-            for ts in by_dtype.values():
-                flat = torch.cat([t.detach().reshape(-1) for t in ts])
-                collectives.broadcast(flat, src, self.process_group, self.timeout)
-                for t, part in zip(ts, flat.split([t.numel() for t in ts])):
-                    t.copy_(part.view(t.shape))
-
-    def _on_grad_ready(self, param) -> None:
-        self._pieces_ready(self._pieces_of_param.get(id(param), ()))
-
-    def _pieces_ready(self, pieces) -> None:
-        """The gradients of these held pieces are final for this backward."""
-        if self.sync_every != 1 or not self._sync_grads:
-            return  # local SGD (parameters are averaged after optimizer steps instead), or no_sync()
-        if not self._queued:
-            self._queued = True
-            self._averager.start_backward()
-            Variable._execution_engine.queue_callback(self._after_backward)
-        with torch.no_grad():
-            self._averager.grad_ready(pieces)
-
-    def _after_backward(self) -> None:
-        self._queued = False
-        with torch.no_grad():
-            self._averager.finish("gradients")
+        collectives.broadcast_by_dtype(list(model.state_dict(keep_vars=True).values()), src, self.process_group,
+                                       self.timeout)
 
     def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
         if not any(id(p) in self._trainable_ids for g in optimizer.param_groups for p in g["params"]):
@@ -311,19 +231,24 @@ class SubnetDataParallel(nn.Module):
 
     def after_step(self) -> None:
         """Called after each optimizer step (automatically for torch.optim optimizers)."""
+        self._check_open("after_step")
         self.optimizer_steps += 1
         self.counter.steps += 1
+        sync_point = self.optimizer_steps % self.sync_every == 0
         with torch.no_grad():
-            if self.sync_every > 1 and self.optimizer_steps % self.sync_every == 0:
+            if self.sync_every > 1 and sync_point:
                 self._averager.average_now("parameters")
-            if self.regime == "backward":
+            # Between synchronisation points a rank's copies of units it does not own keep
+            # their last refreshed values (the full forward still uses them): refreshing them
+            # every step would cost the refresh's bytes H times per averaging for no agreement.
+            if self.regime == "backward" and sync_point:
                 self._refresh()
 
     # ------------------------------------------------------------------ public API
     def forward(self, *args, **kwargs):
+        self._check_open("forward")
         return self.module(*args, **kwargs)
 
-    @contextlib.contextmanager
     def no_sync(self):
         """Gradient accumulation without communication, as torch DDP's `no_sync()`.
 
@@ -335,64 +260,75 @@ class SubnetDataParallel(nn.Module):
             loss_fn(sdp(x1), y1).backward()   # averages grad(x0) + grad(x1)
             optimizer.step()
         """
-        previous = self._sync_grads
-        self._sync_grads = False
-        try:
-            yield
-        finally:
-            self._sync_grads = previous
+        self._check_open("no_sync")
+        return self._averager.no_sync()
 
     def parameters(self, recurse: bool = True):
         """What the optimizer must update: this rank's owned (and shared) parameters."""
+        self._check_open("parameters")
         return iter(self._trainable)
 
     def full_state_dict(self) -> dict:
         """The whole model's state dict (original names and shapes), identical on every rank.
 
         Collective: every rank must call it."""
+        self._check_open("full_state_dict")
         self._refuse_if_simulated("full_state_dict")
-        return assemble(self, reduce=True)
+        return with_aliases(self.plan, assemble(self.layout, reduce=True, process_group=self.process_group,
+                                                timeout=self.timeout))
 
     def local_full_state_dict(self) -> dict:
         """This rank's values in the original names and shapes, NaN where it holds nothing."""
+        self._check_open("local_full_state_dict")
         if self.regime == "backward":
-            return {n: self.value_of(n).detach().clone() for n in self.plan.tensor_shapes}
-        return assemble(self, reduce=False)
+            return with_aliases(self.plan, {n: self.value_of(n).detach().clone() for n in self.plan.tensor_shapes})
+        return with_aliases(self.plan, assemble(self.layout, reduce=False))
 
     def load_full_state_dict(self, state_dict: dict) -> None:
         """Start from a full-model state dict (e.g. a checkpoint of the unmasked model)."""
-        load_pieces(self, state_dict)
+        self._check_open("load_full_state_dict")
+        load_pieces(self.layout, without_aliases(self.plan, state_dict))
 
     def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         """The optimizer's state in the original names and shapes, identical on every rank:
         {"state": {name: {"exp_avg": tensor, ..., "step": 0-d}}, "param_groups": [...]}.
         Loads on any plan of the same model. Collective. See optim_state.py."""
-        return optim_state.full_optimizer_state_dict(self, optimizer)
+        self._check_open("full_optimizer_state_dict")
+        return optim_state.full_optimizer_state_dict(self.layout, optimizer, self.process_group, self.timeout)
 
     def load_full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
         """Give `optimizer` (over this engine's parameters) its share of a full optimizer state."""
-        optim_state.load_full_optimizer_state_dict(self, optimizer, state)
+        self._check_open("load_full_optimizer_state_dict")
+        optim_state.load_full_optimizer_state_dict(self.layout, optimizer, state)
 
     def verify_consistency(self) -> None:
         """Raise ConsistencyError naming the unit and the ranks unless the owners of every
         unit hold bit-identical values. Collective; call it at a synchronisation point."""
-        consistency.verify_consistency(self)
+        self._check_open("verify_consistency")
+        consistency.verify_consistency(self.layout, self.process_group, self.timeout)
 
     def gradients_finite(self) -> bool:
         """True when every rank's gradients are finite (one all-reduced flag); when False,
         skip optimizer.step() on every rank. Collective. See guard.py."""
+        self._check_open("gradients_finite")
         return guard.gradients_finite(self._trainable, self.process_group, self.timeout)
 
     def full_model(self) -> nn.Module:
         """A new, unmasked model holding the assembled full state (collective)."""
+        self._check_open("full_model")
         model = copy.deepcopy(self._skeleton)
-        model.load_state_dict(self.full_state_dict(), assign=True)
+        canonical = without_aliases(self.plan, self.full_state_dict())
+        missing, unexpected = model.load_state_dict(canonical, assign=True, strict=False)
+        if sorted(missing) != sorted(self.plan.aliases) or unexpected:  # assign=True would untie an alias
+            raise RuntimeError(f"subnet_ext: full_model() could not load {missing} / {unexpected}")
+        retie(self.plan, model)
         return model
 
     @torch.no_grad()
     def evaluate(self, *inputs, modes=("full", "ensemble")) -> dict:
         """{"full": the union of subnetworks' output, "ensemble": mean of the ranks' subnetwork
         outputs (one all-reduce)}. Collective; runs in eval mode and restores the mode."""
+        self._check_open("evaluate")
         bad = [m for m in modes if m not in ("full", "ensemble")]
         if bad:
             raise ValueError(f"evaluate modes must be 'full' and/or 'ensemble', got {bad}")
@@ -410,7 +346,9 @@ class SubnetDataParallel(nn.Module):
                 out["ensemble"] = y
             if "full" in modes:
                 skeleton = self._skeleton.eval()
-                out["full"] = torch.func.functional_call(skeleton, self.full_state_dict(), inputs).float()
+                # Canonical names only: functional_call ties an alias to its canonical value.
+                canonical = without_aliases(self.plan, self.full_state_dict())
+                out["full"] = torch.func.functional_call(skeleton, canonical, inputs).float()
         finally:
             self.module.train(was_training)
         return out
@@ -422,20 +360,12 @@ class SubnetDataParallel(nn.Module):
                              "this rank's subnetwork")
 
     def comm_stats(self) -> dict:
-        """Bytes handed to collectives and collectives issued, in total and per optimizer step."""
-        steps = max(1, self.counter.steps)
-        return {
-            "strategy": self.strategy, "strategy_costs": self.strategy_costs, "steps": self.counter.steps,
-            "bytes": self.counter.bytes, "collectives": self.counter.collectives,
-            "bytes_per_step": self.counter.bytes / steps, "collectives_per_step": self.counter.collectives / steps,
-            "by_kind": dict(self.counter.by_kind),
-            "predicted_per_sync": predicted_comm(self.plan, self.rank, self.strategy, self.regime,
-                                                 self.bucket_cap_bytes),
-            "buckets": len(self._averager.states), "overlap": self._averager.overlap,
-            "buckets_issued_during_backward": self._averager.issued_during_backward,
-            "direct_gradient_runs": self.direct_gradient_runs,
-            "simulated": self.simulated,
-        }
+        """Bytes handed to collectives and collectives issued, in total and per optimizer step,
+        beside the cost model's prediction per synchronisation (see reports.comm_stats)."""
+        self._check_open("comm_stats")
+        return reports.comm_stats(self.counter, self.plan, self.rank, self.strategy, self.strategy_costs,
+                                  self.regime, self.bucket_cap_bytes, self._averager,
+                                  self.direct_gradient_runs, self.simulated)
 
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict:
         """Bytes this rank holds: parameters, gradients, optimizer state, buffers.
@@ -445,51 +375,40 @@ class SubnetDataParallel(nn.Module):
         straight into a communication bucket counts its own bytes as a gradient (not the
         whole bucket); `communication_buffers` counts the buckets whole, so the two
         overlap by `gradients_in_buffers`."""
-        seen = set()
-
-        def nbytes(ts):
-            total = 0
-            for t in ts:
-                if t is None or t.device.type == "meta":
-                    continue
-                key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-                if key not in seen:
-                    seen.add(key)
-                    total += key[1]
-            return total
-
-        params = nbytes(list(self.module.parameters()) + [getattr(m, a) for m, a in self._value_refs.values()])
-        bucket_storages = self._averager.buffer_storages()
-        grad_list = [p.grad for p in self.module.parameters() if p.grad is not None]
-        in_buffers = {(g.data_ptr(), g.numel() * g.element_size()) for g in grad_list
-                      if g.untyped_storage().data_ptr() in bucket_storages}
-        grads = nbytes([g for g in grad_list if g.untyped_storage().data_ptr() not in bucket_storages])
-        in_buffer_bytes = sum(n for _, n in in_buffers)
-        grads += in_buffer_bytes
-        state = 0
-        if optimizer is not None:
-            state = nbytes([v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)])
-        buffers = nbytes(list(self.module.buffers()))
-        # Peak activations are measurable on CUDA (allocator peak, which includes the model
-        # state); on CPU the training loop measures them with saved-tensor accounting.
-        peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
-        return {"parameters": params, "gradients": grads, "optimizer_state": state, "buffers": buffers,
-                "model_state": params + grads + state, "peak_allocated": peak,
-                "communication_buffers": self._averager.buffer_bytes,
-                "gradients_in_buffers": in_buffer_bytes}
+        self._check_open("memory_report")
+        return reports.memory_report(self.module, self.layout.local_tensors(), self._averager, self.device,
+                                     optimizer)
 
     def predicted_model_state_bytes(self, optimizer_state_per_param: float = 2.0) -> float:
         """Plan's prediction of parameters + gradients + optimizer state (Adam: 2 x params)."""
-        own = float(self.plan.bytes_per_rank[self.rank])
-        if self.regime == "backward":
-            return self.plan.full_bytes + own * (1 + optimizer_state_per_param)
-        return own * (2 + optimizer_state_per_param)
+        return reports.predicted_model_state_bytes(self.plan, self.rank, self.regime, optimizer_state_per_param)
 
     def extra_repr(self) -> str:
         return (f"regime={self.regime!r}, level={self.plan.level!r}, rank={self.rank}/{self.world_size}, "
                 f"coverage={self.plan.coverage}, sync_every={self.sync_every}, strategy={self.strategy!r}")
 
-    def remove_hooks(self) -> None:
+    def close(self) -> None:
+        """Give the wrapped model back as it was before wrapping, holding the trained values.
+
+        Collective (assembles the full state first). Every module gets back its type
+        (skipped blocks), full-shaped Parameters (not compact ones or owned views), width
+        attributes, hooks and attributes as before; the engine's hooks are removed; then
+        the assembled full state is loaded into the model. The engine refuses further use.
+        """
+        self._check_open("close")
+        full = self.full_state_dict()
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        restore_structure(self.module, self._skeleton, self.device)
+        self.module.load_state_dict(full)
+        self._closed = True
+
+    def remove_hooks(self) -> None:
+        """Alias of close() (collective): restores the model and removes every hook."""
+        self.close()
+
+    def _check_open(self, what: str) -> None:
+        if self.__dict__.get("_closed", False):
+            raise RuntimeError(f"SubnetDataParallel.{what}: this engine was closed; the model it wrapped is a "
+                               "plain model again. Wrap it in a new SubnetDataParallel to train it with SDP.")

@@ -14,12 +14,14 @@ concatenation of detached and owned slices.
 from __future__ import annotations
 
 import types
+import weakref
 
 import torch
 import torch.nn as nn
 
 from .. import ops
 from ..planning.pieces import Piece, owned_indices
+from .owned_conv import install_owned_conv
 
 
 def split_name(name: str) -> tuple[str, str]:
@@ -116,14 +118,50 @@ class DirectGradient:
     def __init__(self, param: nn.Parameter, view: torch.Tensor, piece: Piece, ready):
         self.param, self.view, self.piece, self.ready = param, view.view(param.shape), piece, ready
 
-    def write(self, g2: torch.Tensor, x2: torch.Tensor, rows, cols) -> None:
+    def write(self, g2: torch.Tensor, x2: torch.Tensor, rows, cols, last_use: bool = True) -> None:
+        """Add one use's weight gradient (g2 [N, out], x2 [N, in]) into the bucket view;
+        readiness is reported only after the last use of this forward (weight sharing)."""
         grad = self.param.grad
         if grad is not None and grad.data_ptr() != self.view.data_ptr():
             self.view.copy_(grad)  # a gradient put there by someone else: keep accumulating onto it
         ops.masked_linear_grad_weight_(self.view, g2, x2, rows, cols, grad_out_full=True,
                                        accumulate=grad is not None)
         self.param.grad = self.view
-        self.ready(self.piece)
+        if last_use:
+            self.ready(self.piece)
+
+
+class _UseCount:
+    """How many times one forward called a masked Linear (`uses`) and how many of those
+    calls' backwards have run (`done`). Shared by the calls' autograd contexts and held
+    by the module only weakly, so a graph dropped without a backward takes its count
+    with it and the next forward starts a fresh one."""
+
+    __slots__ = ("uses", "done", "__weakref__")
+
+    def __init__(self):
+        self.uses, self.done = 0, 0
+
+    def backward_ran(self) -> bool:
+        """Count one use's backward; True when it was the last (the gradient is final)."""
+        self.done += 1
+        if self.done < self.uses:
+            return False
+        self.done = 0  # a retained graph may be backpropagated again
+        return True
+
+
+def _use_count(module) -> _UseCount | None:
+    """This forward's use count of `module` (grad mode only: no backward follows otherwise)."""
+    if not torch.is_grad_enabled():
+        return None
+    ref = getattr(module, "_sdp_use_count", None)
+    count = ref() if ref is not None else None
+    if count is None or count.done > 0:  # none alive, or its backward began: a new forward
+        count = _UseCount()
+        module._sdp_use_count = weakref.ref(count)
+    count.uses += 1
+    return count
 
 
 class _OwnedLinearFunction(torch.autograd.Function):
@@ -134,9 +172,10 @@ class _OwnedLinearFunction(torch.autograd.Function):
     its communication bucket instead of returning it to autograd."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, dim, idx, splits, direct, n_weight_views, *views):
+    def forward(ctx, x, weight, bias, dim, idx, splits, direct, n_weight_views, use_count, *views):
         ctx.save_for_backward(x, weight, idx)
         ctx.dim, ctx.splits, ctx.direct, ctx.n_weight_views = dim, splits, direct, n_weight_views
+        ctx.use_count = use_count
         ctx.bias_is_param = bias is not None and bias.requires_grad
         return torch.nn.functional.linear(x, weight, bias)
 
@@ -146,8 +185,11 @@ class _OwnedLinearFunction(torch.autograd.Function):
         g2 = grad_y.reshape(-1, grad_y.shape[-1]).contiguous()
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         rows, cols = (idx, None) if ctx.dim == 0 else (None, idx)
-        owned_bias = ctx.dim == 0 and len(ctx.needs_input_grad) > 8 + ctx.n_weight_views
+        owned_bias = ctx.dim == 0 and len(ctx.needs_input_grad) > 9 + ctx.n_weight_views
         any_direct = any(d is not None for d in ctx.direct)
+        # A Linear called several times per forward (weight sharing) sums its uses' gradients
+        # in the bucket; the bucket may be issued only after the last use's backward.
+        last_use = ctx.use_count is None or ctx.use_count.backward_ran()
         gx, gw, gb = ops.masked_linear_backward(
             g2, x2, weight, rows, cols, compact_weight=False, grad_out_full=True, dense_grad_input=True,
             output_mask=(ctx.needs_input_grad[0], not any_direct, owned_bias))
@@ -158,7 +200,7 @@ class _OwnedLinearFunction(torch.autograd.Function):
             for d, part in zip(ctx.direct, idx.split(ctx.splits)):
                 r, c = (part, None) if ctx.dim == 0 else (None, part)
                 if d is not None:
-                    d.write(g2, x2, r, c)
+                    d.write(g2, x2, r, c, last_use)
                     grads.append(None)
                 else:
                     grads.append(ops.masked_linear_backward(
@@ -168,7 +210,7 @@ class _OwnedLinearFunction(torch.autograd.Function):
             grads += list(gb.split(ctx.splits))
         grad_x = gx.reshape(x.shape) if gx is not None else None
         grad_bias = g2.sum(0) if ctx.bias_is_param else None
-        return (grad_x, None, grad_bias, None, None, None, None, None, *grads)
+        return (grad_x, None, grad_bias, None, None, None, None, None, None, *grads)
 
 
 def _owned_linear_forward(module, x):
@@ -176,8 +218,8 @@ def _owned_linear_forward(module, x):
     bias_views = [getattr(module, n) for n in module._sdp_views.get("bias", [])]
     bias = module.bias_full if "bias" in module._sdp_views else module.bias
     return _OwnedLinearFunction.apply(x, module.weight_full, bias, module._sdp_dim, module._sdp_idx,
-                                      module._sdp_splits, module._sdp_direct, len(weight_views), *weight_views,
-                                      *bias_views)
+                                      module._sdp_splits, module._sdp_direct, len(weight_views),
+                                      _use_count(module), *weight_views, *bias_views)
 
 
 class _AssembleOwned:
@@ -207,14 +249,15 @@ def prepare_backward(model: nn.Module, plan, pieces: list[Piece], rank: int):
     Returns:
         piece_params: {piece: Parameter} for the owned sliced pieces (views of the full tensors).
         value_refs: {state-dict name: (module, attribute)} where each full tensor now lives.
+        handles: the forward-pre-hook handles it installed (for SubnetDataParallel.close).
     """
-    piece_params, value_refs = {}, {}
+    piece_params, value_refs, handles = {}, {}, []
     if plan.level == "block":
         for g, (a, _) in zip(plan.groups, plan.unit_ranges):
             if not bool(plan.owners[rank, a]):
                 for n in g.params:
                     model.get_parameter(n).requires_grad_(False)
-        return piece_params, value_refs
+        return piece_params, value_refs, handles
     by_module = {}
     for p in pieces:
         if p.sliced and p.is_param:
@@ -246,9 +289,9 @@ def prepare_backward(model: nn.Module, plan, pieces: list[Piece], rank: int):
             if not runs:
                 raise ValueError(f"rank {rank} owns no slice of {path!r} (backward regime needs at least one)")
             module.forward = types.MethodType(_owned_linear_forward, module)
-        else:
-            module.register_forward_pre_hook(_AssembleOwned(attrs))
-    return piece_params, value_refs
+        elif not install_owned_conv(module, attrs):
+            handles.append(module.register_forward_pre_hook(_AssembleOwned(attrs)))
+    return piece_params, value_refs, handles
 
 
 def attach_direct_gradients(model: nn.Module, piece_params: dict, view_for, ready) -> int:

@@ -105,8 +105,13 @@ def masked_linear_grad_weight_(out, grad_out, x, out_idx=None, in_idx=None, *, g
     out.copy_(block.to(out.dtype))
 
 
-def as_2d(t: torch.Tensor) -> torch.Tensor:
-    """The [size(0), numel // size(0)] view packing uses ([n] → [n, 1], scalar → [1, 1])."""
+def as_2d(t: torch.Tensor, view: bool = False) -> torch.Tensor:
+    """The [size(0), numel // size(0)] view packing uses ([n] → [n, 1], scalar → [1, 1]).
+
+    view=True: raise ValueError unless `t` is contiguous, so the result is a view that
+    writes reach `t` through (otherwise a non-contiguous tensor gives a copy)."""
+    if view and not t.is_contiguous():
+        raise ValueError(f"expected a contiguous tensor, got shape {tuple(t.shape)} strides {t.stride()}")
     if t.dim() == 0:
         return t.reshape(1, 1)
     # Explicit column count: reshape(0, -1) is ambiguous for a tensor with no rows.

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .pieces import Piece, rectangle
+from .pieces import Piece, full_rectangle
 
 DEFAULT_BUCKET_CAP_MB = 25.0  # torch DDP's default
 PIECE_ALIGN_BYTES = 16  # the packing kernels' vector width (one 128-bit load/store)
@@ -70,7 +70,7 @@ class Bucket:
 
 
 def piece_numel(plan, piece: Piece) -> int:
-    r0, r1, c0, c1 = rectangle(plan.tensor_shapes[piece.name], piece.dim, piece.start, piece.length)
+    r0, r1, c0, c1 = full_rectangle(plan, piece)
     return (r1 - r0) * (c1 - c0)
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-import torch
 
 from .buckets import DEFAULT_BUCKET_CAP_MB, build_buckets
 from .pieces import global_pieces
@@ -26,10 +25,6 @@ from .plan import SubnetPlan
 
 STRATEGIES = ("auto", "groups", "zero_filled")
 DEFAULT_LATENCY_BYTES = 256 * 1024  # one collective's fixed cost, as bytes of transfer
-
-
-def _unit_owner_sets(plan: SubnetPlan) -> list[tuple[int, ...]]:
-    return [tuple(torch.nonzero(plan.owners[:, u]).flatten().tolist()) for u in range(len(plan.units))]
 
 
 def _unit_dtypes(plan: SubnetPlan) -> list[set]:
@@ -71,7 +66,7 @@ def refresh_bytes(plan: SubnetPlan) -> tuple[float, int]:
     """Backward regime: bytes every rank hands to the leaders' broadcasts, and their number."""
     per_leader, dtypes = defaultdict(float), defaultdict(set)
     per_unit = plan.unit_bytes + plan.unit_buffer_bytes
-    for u, (s, dt) in enumerate(zip(_unit_owner_sets(plan), _unit_dtypes(plan))):
+    for u, (s, dt) in enumerate(zip(plan.unit_owner_sets(), _unit_dtypes(plan))):
         if len(s) < plan.world_size:
             per_leader[s[0]] += float(per_unit[u])
             dtypes[s[0]] |= dt

@@ -46,13 +46,12 @@ def _extent(shape) -> int:
 def global_pieces(plan: SubnetPlan) -> list[Piece]:
     """Every floating-point state-dict entry of the model cut into pieces, canonical order."""
     k = plan.world_size
-    owner_sets = [tuple(torch.nonzero(plan.owners[:, u]).flatten().tolist()) for u in range(len(plan.units))]
-    is_float = {n: plan.tensor_dtypes[n] in ("float32", "float64", "float16", "bfloat16") for n in plan.tensor_shapes}
+    owner_sets = plan.unit_owner_sets()
     pieces = []
     for g, (a, b) in zip(plan.groups, plan.unit_ranges):
         if g.kind == "block":
             for n in g.params + g.buffers:
-                if is_float[n]:
+                if plan.is_float(n):
                     pieces.append(Piece(n, (a,), 0, 0, _extent(plan.tensor_shapes[n]), owner_sets[a],
                                         n in plan.param_names))
             continue
@@ -67,7 +66,7 @@ def global_pieces(plan: SubnetPlan) -> list[Piece]:
                 j = e + 1
     everyone = tuple(range(k))
     for n in plan.shared:
-        if is_float[n]:
+        if plan.is_float(n):
             pieces.append(Piece(n, (), 0, 0, _extent(plan.tensor_shapes[n]), everyone, n in plan.param_names))
     return pieces
 
@@ -82,6 +81,11 @@ def rectangle(shape, dim: int, start: int, length: int) -> tuple[int, int, int, 
         return start, start + length, 0, cols
     inner = math.prod(shape[2:]) if len(shape) > 2 else 1
     return 0, rows, start * inner, (start + length) * inner
+
+
+def full_rectangle(plan: SubnetPlan, piece: Piece) -> tuple[int, int, int, int]:
+    """The piece's rectangle in the 2-D view of its full (original-shape) tensor."""
+    return rectangle(plan.tensor_shapes[piece.name], piece.dim, piece.start, piece.length)
 
 
 def local_starts(pieces: list[Piece], rank: int, compact: bool) -> dict[Piece, int]:

@@ -5,12 +5,15 @@ units.py), gives each unit r = max(1, round(coverage * world_size)) owners and r
 `SubnetPlan`. Everything is a pure function of (model structure, world_size, coverage,
 level, seed), so every rank computes the same plan without talking to the others.
 
-Assignment (DESIGN.md §1):
-- neuron level, equal units: the n units of a group are cut into world_size contiguous
-  chunks; chunk i is owned by ranks i+o, ..., i+o+r-1 (mod K), where the offset o rolls
-  from group to group so the larger chunks spread over the ranks. Contiguous chunks keep
-  the number of distinct owner sets at most K and the packed segments long.
-- block level, unequal blocks: largest first, each to the r least-loaded ranks (bytes).
+Assignment (assign.py): contiguous rolling chunks at neuron level, every rank getting
+a unit of every group whenever r x units >= K; at block level greedy balancing of
+bytes and FLOPs together. FLOPs (flops.py) are traced on the meta device from a
+`sample_input`; without one they fall back to 2 x parameters, and summary() says so.
+
+The rank graph joins two ranks that share a unit (DESIGN.md §1): shared parameters do
+not count, or every model with a stem would get the complete graph. A plan whose units
+leave it disconnected warns (its ranks are tied by the shared parameters only) and is
+refused only when no shared parameter ties the ranks either.
 """
 from __future__ import annotations
 
@@ -18,16 +21,23 @@ import hashlib
 import json
 import math
 import random
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn as nn
 
+from .assign import assign_blocks, assign_neurons
+from .flops import trace_unit_flops
 from .plan_json import check_plan_json
+from .aliases import find_aliases
 from .units import UnitGroup, check_no_chained, find_blocks, find_neuron_groups, slice_numel
 
 LEVELS = ("block", "neuron")
+
+
+FLOAT_DTYPES = ("float32", "float64", "float16", "bfloat16")  # the dtype names plans record for floats
 
 
 @dataclass(frozen=True)
@@ -72,17 +82,25 @@ class SubnetPlan:
         shared: names of parameters/buffers every rank holds (stem, embeddings, head, norms, ...).
         tensor_shapes / tensor_dtypes: the original model's state-dict entries.
         unit_bytes, unit_flops: float64 tensors [len(units)]; shared_bytes, shared_flops: floats.
-            FLOPs are per sample position: 2 x the unit's parameter count (its matmul cost).
+            FLOPs are those of one forward of the sample input, traced (flops_source says
+            which input), or without one 2 x the parameter count per sample position.
+        flops_source: how the FLOPs were counted (str).
     """
 
     def __init__(self, *, world_size, coverage, level, seed, groups, owners, shared, tensor_shapes,
-                 tensor_dtypes, fingerprint):
+                 tensor_dtypes, fingerprint, flops=None, aliases=None):
         self.world_size, self.coverage, self.level, self.seed = world_size, coverage, level, seed
         self.groups: list[UnitGroup] = groups
         self.owners = owners
         self.shared: list[str] = shared
-        self.tensor_shapes: dict = {k: tuple(v) for k, v in tensor_shapes.items()}
-        self.tensor_dtypes: dict = dict(tensor_dtypes)
+        # Tied weights: an alias is a state-dict name for the same tensor as an earlier name.
+        # It gets no pieces, no owners and no communication; exports write it beside its
+        # canonical name (state/aliases.py). tensor_shapes/dtypes list canonical names only;
+        # the whole state dict's order stays in _entries (fingerprint, JSON).
+        self.aliases: dict = dict(aliases or {})
+        self._entries = [(k, tuple(v), tensor_dtypes[k]) for k, v in tensor_shapes.items()]
+        self.tensor_shapes: dict = {k: tuple(v) for k, v in tensor_shapes.items() if k not in self.aliases}
+        self.tensor_dtypes: dict = {k: v for k, v in tensor_dtypes.items() if k not in self.aliases}
         self.fingerprint = fingerprint
         self.units, self.unit_ranges = [], []
         for g in groups:
@@ -92,14 +110,15 @@ class SubnetPlan:
             else:
                 self.units += [Unit(g.kind, g.path, j) for j in range(g.size)]
             self.unit_ranges.append((start, len(self.units)))
-        self._costs()
+        self._costs(flops)
         self.check()
 
     # ----------------------------------------------------------------- costs
     def _bytes_of(self, name, numel):
         return numel * torch.empty((), dtype=_dtype(self.tensor_dtypes[name])).element_size()
 
-    def _costs(self):
+    def _costs(self, flops=None):
+        """Bytes from the shapes; FLOPs from `flops` ({"unit": [units], "shared", "source"}) or 2 x params."""
         ub = np.zeros(len(self.units))
         ubuf = np.zeros(len(self.units))
         uparams = np.zeros(len(self.units))
@@ -122,13 +141,21 @@ class SubnetPlan:
         self.unit_buffer_bytes = torch.from_numpy(ubuf)
         self.shared_buffer_bytes = float(sum(self._bytes_of(n, math.prod(self.tensor_shapes[n])) for n in self.shared
                                              if n not in self.param_names and self.is_float(n)))
-        self.unit_flops = torch.from_numpy(2.0 * uparams)
         self.shared_params = [n for n in self.shared if n in self.param_names]
         self.shared_bytes = float(sum(self._bytes_of(n, math.prod(self.tensor_shapes[n])) for n in self.shared_params))
-        self.shared_flops = 2.0 * sum(math.prod(self.tensor_shapes[n]) for n in self.shared_params)
+        if flops is None:
+            self.unit_flops = torch.from_numpy(2.0 * uparams)
+            self.shared_flops = 2.0 * sum(math.prod(self.tensor_shapes[n]) for n in self.shared_params)
+            self.flops_source = "2 x parameters per sample position (no sample_input given, so a convolution's " \
+                                "spatial size and attention's length are not counted)"
+        else:
+            self.unit_flops = torch.tensor([float(f) for f in flops["unit"]], dtype=torch.float64)
+            self.shared_flops = float(flops["shared"])
+            self.flops_source = str(flops["source"])
 
     def is_float(self, name: str) -> bool:
-        return self.tensor_dtypes[name] in ("float32", "float64", "float16", "bfloat16")
+        """True when state-dict entry `name` is floating point (averaged; integers are not)."""
+        return self.tensor_dtypes[name] in FLOAT_DTYPES
 
     @property
     def param_names(self) -> set:
@@ -151,23 +178,44 @@ class SubnetPlan:
     def full_bytes(self) -> float:
         return self.shared_bytes + float(self.unit_bytes.sum())
 
+    def unit_owner_sets(self) -> list[tuple[int, ...]]:
+        """[U] the owner set (ascending ranks) of each unit, in unit order."""
+        return [tuple(torch.nonzero(self.owners[:, u]).flatten().tolist()) for u in range(len(self.units))]
+
     def owner_sets(self) -> list[tuple[int, ...]]:
         """Distinct owner sets of the units, in one canonical order (sorted)."""
-        return sorted({tuple(torch.nonzero(self.owners[:, u]).flatten().tolist()) for u in range(len(self.units))})
+        return sorted(set(self.unit_owner_sets()))
 
     # ----------------------------------------------------------------- checks
     def rank_graph(self) -> np.ndarray:
-        """[K, K] weights: units two ranks share, plus 1 where both hold the shared parameters."""
+        """[K, K] float64: the number of units two ranks share (diagonal 0); shared parameters do not count."""
         m = self.owners.double().numpy()
         adj = m @ m.T
-        if self.shared_params:
-            adj += 1.0
         np.fill_diagonal(adj, 0.0)
         return adj
 
+    def rank_components(self) -> list[list[int]]:
+        """Connected components of the rank graph, each a sorted list of ranks, by smallest rank."""
+        adj, left, out = self.rank_graph(), set(range(self.world_size)), []
+        while left:
+            seen, todo = {min(left)}, [min(left)]
+            while todo:
+                i = todo.pop()
+                for j in np.nonzero(adj[i])[0].tolist():
+                    if j not in seen:
+                        seen.add(j)
+                        todo.append(j)
+            out.append(sorted(seen))
+            left -= seen
+        return out
+
     @property
     def spectral_gap(self) -> float:
-        """Second-smallest eigenvalue of the rank graph's normalised Laplacian (0 = disconnected)."""
+        """Second-smallest eigenvalue of the rank graph's normalised Laplacian (0 = disconnected).
+
+        Chung's convention: an isolated rank's diagonal entry is 0, so every component,
+        isolated ranks included, contributes one zero eigenvalue.
+        """
         k = self.world_size
         if k == 1:
             return 1.0
@@ -175,8 +223,8 @@ class SubnetPlan:
         deg = adj.sum(1)
         with np.errstate(divide="ignore"):
             inv = np.where(deg > 0, 1.0 / np.sqrt(deg), 0.0)
-        lap = np.eye(k) - inv[:, None] * adj * inv[None, :]
-        return float(np.sort(np.linalg.eigvalsh(lap))[1])
+        lap = np.diag((deg > 0).astype(np.float64)) - inv[:, None] * adj * inv[None, :]
+        return max(0.0, float(np.sort(np.linalg.eigvalsh(lap))[1]))
 
     @property
     def imbalance(self) -> dict:
@@ -200,19 +248,18 @@ class SubnetPlan:
                     raise ValueError(f"rank(s) {empty} own no unit of {g.kind} group {g.path!r} ({g.size} units, "
                                      f"world size {k}, coverage {self.coverage}): that layer would be empty. "
                                      "Raise the coverage or use level='block'.")
-        if k > 1:
-            adj = self.rank_graph()
-            seen, todo = {0}, [0]
-            while todo:
-                i = todo.pop()
-                for j in np.nonzero(adj[i])[0].tolist():
-                    if j not in seen:
-                        seen.add(j)
-                        todo.append(j)
-            if len(seen) < k:
-                raise ValueError(f"the rank graph is disconnected: ranks {sorted(set(range(k)) - seen)} share no "
-                                 f"unit and no parameter with rank 0, so their models never mix. Raise the "
-                                 f"coverage (now {self.coverage}) or keep some parameters shared.")
+        components = self.rank_components() if k > 1 else [[0]]
+        if len(components) > 1:
+            apart = sorted(set(range(k)) - set(components[0]))
+            if not self.shared_params:
+                raise ValueError(f"the rank graph is disconnected: ranks {apart} share no unit with rank 0 and no "
+                                 f"parameter is shared, so their models never mix (components {components}). "
+                                 f"Raise the coverage (now {self.coverage}) or keep some parameters shared.")
+            warnings.warn(f"SubnetPlan: ranks {apart} share no unit with rank 0 (components {components}, world "
+                          f"size {k}, coverage {self.coverage}, {owners_per_unit(k, self.coverage)} owner(s)/unit): "
+                          "only the shared parameters tie their models together, and each unit is trained on its "
+                          "owners' data alone. This is legitimate (coverage 1/K gives every unit one owner); raise "
+                          "the coverage so units have 2+ owners if the subnetworks should mix.", stacklevel=4)
 
     # ----------------------------------------------------------------- output
     def summary(self) -> str:
@@ -223,14 +270,17 @@ class SubnetPlan:
                  f"seed {self.seed}",
                  f"shared: {len(self.shared_params)} parameter tensors, {self.shared_bytes / 2**20:.2f} MiB; "
                  f"full model {full / 2**20:.2f} MiB",
-                 "", "| rank | units | param MiB | vs full | GFLOP/pos |", "|---:|---:|---:|---:|---:|"]
+                 f"FLOPs: {self.flops_source}",
+                 "", "| rank | units | param MiB | vs full | GFLOP |", "|---:|---:|---:|---:|---:|"]
         for r in range(k):
             b, f = float(self.bytes_per_rank[r]), float(self.flops_per_rank[r])
             lines.append(f"| {r} | {int(self.owners[r].sum())} | {b / 2**20:.2f} | {b / full:.1%} | {f / 1e9:.4f} |")
-        imb = self.imbalance
+        imb, parts = self.imbalance, self.rank_components() if k > 1 else [[0]]
+        graph = "connected" if len(parts) == 1 else f"disconnected by units, tied by shared parameters only {parts}"
+        kind = "traced" if self.flops_source.startswith("traced") else "2 x params"
         lines += ["", f"checks: every unit owned (min owners {int(self.owner_count.min())}), "
-                      f"rank graph connected (spectral gap {self.spectral_gap:.3f}), "
-                      f"imbalance bytes {imb['bytes']:.1%} flops {imb['flops']:.1%}, "
+                      f"rank graph by shared units {graph} (spectral gap {self.spectral_gap:.3f}), "
+                      f"imbalance bytes {imb['bytes']:.1%} flops {imb['flops']:.1%} ({kind}), "
                       f"{len(self.owner_sets())} distinct owner set(s)"]
         return "\n".join(lines)
 
@@ -240,8 +290,10 @@ class SubnetPlan:
             "level": self.level, "seed": self.seed, "fingerprint": self.fingerprint,
             "groups": [g.to_dict() for g in self.groups], "shared": self.shared,
             "owners": self.owners.to(torch.uint8).tolist(),
-            "tensor_shapes": {k: list(v) for k, v in self.tensor_shapes.items()},
-            "tensor_dtypes": self.tensor_dtypes, "param_names": sorted(self._param_names),
+            "tensor_shapes": {k: list(v) for k, v, _ in self._entries},
+            "tensor_dtypes": {k: d for k, _, d in self._entries}, "param_names": sorted(self._param_names),
+            "flops": {"unit": self.unit_flops.tolist(), "shared": self.shared_flops, "source": self.flops_source},
+            "aliases": self.aliases,
         })
 
     @staticmethod
@@ -259,7 +311,8 @@ class SubnetPlan:
                 plan, world_size=int(d["world_size"]), coverage=float(d["coverage"]), level=str(d["level"]),
                 seed=int(d["seed"]), groups=[UnitGroup.from_dict(g) for g in d["groups"]],
                 owners=owners.bool(), shared=list(d["shared"]), tensor_shapes=d["tensor_shapes"],
-                tensor_dtypes=d["tensor_dtypes"], fingerprint=str(d["fingerprint"]))
+                tensor_dtypes=d["tensor_dtypes"], fingerprint=str(d["fingerprint"]), flops=d.get("flops"),
+                aliases=d.get("aliases", {}))
             _check_args(plan.world_size, plan.coverage, plan.level)
             return plan
         except ValueError:
@@ -277,42 +330,27 @@ def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name.replace("torch.", ""))
 
 
-def _assign_neurons(groups, ranges, k, r, n_units):
-    owners = torch.zeros(k, n_units, dtype=torch.bool)
-    offset = 0
-    for g, (a, b) in zip(groups, ranges):
-        n = b - a
-        sizes = [n // k + (1 if i < n % k else 0) for i in range(k)]
-        bounds = np.cumsum([0] + sizes)
-        for i in range(k):
-            for t in range(r):
-                owners[(i + offset + t) % k, a + bounds[i]: a + bounds[i + 1]] = True
-        offset = (offset + n % k) % k  # roll, so the larger chunks of the next group land elsewhere
-    return owners
+def _assign(level, k, r, groups, ranges, flops, **tensors) -> torch.Tensor:
+    """Owner matrix bool [k, units] before the seed's relabelling, balanced on the units' costs.
 
-
-def _assign_blocks(unit_bytes, k, r):
-    owners = torch.zeros(k, len(unit_bytes), dtype=torch.bool)
-    if len(unit_bytes) and bool((unit_bytes == unit_bytes[0]).all()):
-        # Equal blocks: rolling windows, so consecutive blocks overlap in owners and the
-        # rank graph mixes well (greedy would pair the same ranks again and again).
-        for u in range(len(unit_bytes)):
-            start = u * r % k + (u * r // k if k % r == 0 else 0)  # shift each wrap when tiles repeat
-            for t in range(r):
-                owners[(start + t) % k, u] = True
-        return owners
-    load = np.zeros(k)
-    order = sorted(range(len(unit_bytes)), key=lambda u: (-float(unit_bytes[u]), u))
-    for u in order:
-        ranks = sorted(range(k), key=lambda q: (load[q], q))[:r]
-        for q in ranks:
-            owners[q, u] = True
-            load[q] += float(unit_bytes[u])
-    return owners
+    tensors: shapes, dtypes, shared, param_names of the model (what SubnetPlan._costs reads).
+    """
+    tmp = SubnetPlan.__new__(SubnetPlan)
+    tmp.__dict__.update(groups=groups, tensor_shapes=tensors["shapes"], tensor_dtypes=tensors["dtypes"],
+                        shared=tensors["shared"], _param_names=tensors["param_names"], unit_ranges=ranges,
+                        units=[None] * ranges[-1][1])
+    tmp._costs(flops)
+    if level == "block":
+        return assign_blocks(tmp.unit_bytes, tmp.unit_flops, k, r)
+    weight = torch.zeros(len(tmp.units), dtype=torch.float64)
+    for cost in (tmp.unit_bytes, tmp.unit_flops):
+        if float(cost.sum()) > 0:
+            weight += cost / cost.sum()  # bytes and FLOPs each as a share of the model's, summed
+    return assign_neurons(ranges, k, r, weight)
 
 
 def plan_subnetworks(model: nn.Module, world_size: int, coverage: float, level: str = "block", seed: int = 0,
-                     blocks=None, neuron_groups=None) -> SubnetPlan:
+                     blocks=None, neuron_groups=None, sample_input=None) -> SubnetPlan:
     """Plan which rank trains which part of `model`.
 
     Args:
@@ -323,6 +361,10 @@ def plan_subnetworks(model: nn.Module, world_size: int, coverage: float, level: 
         seed: relabels the ranks by a seeded permutation (0 = identity).
         blocks: module paths of residual blocks, for architectures not recognised.
         neuron_groups: (producer, consumer[, norms]) module paths, likewise.
+        sample_input: one input batch, a tensor or (shape, dtype), e.g. ((1, 3, 32, 32), torch.float32)
+            or ((1, seq_len), torch.long): FLOPs are traced from one forward of it on the meta device
+            (nothing allocated). Without it FLOPs are 2 x parameters, which ignores a convolution's
+            spatial size.
 
     Raises:
         ValueError: bad arguments, no unit at that level, or a plan that fails its checks.
@@ -338,7 +380,12 @@ def plan_subnetworks(model: nn.Module, world_size: int, coverage: float, level: 
     check_no_chained(groups)
     sd = model.state_dict(keep_vars=True)
     in_units = {m.name for g in groups for m in g.members} | {n for g in groups for n in g.params + g.buffers}
-    shared = [n for n in sd if n not in in_units]
+    aliases = find_aliases(model, groups)
+    in_units -= set(aliases)  # a block's own tied pair: the canonical name carries it
+    for g in groups:
+        g.params = [n for n in g.params if n not in aliases]
+        g.buffers = [n for n in g.buffers if n not in aliases]
+    shared = [n for n in sd if n not in in_units and n not in aliases]
     shapes = {n: tuple(t.shape) for n, t in sd.items()}
     dtypes = {n: str(t.dtype).replace("torch.", "") for n, t in sd.items()}
     k, r = world_size, owners_per_unit(world_size, coverage)
@@ -349,20 +396,17 @@ def plan_subnetworks(model: nn.Module, world_size: int, coverage: float, level: 
     for g in groups:
         ranges.append((start, start + g.size))
         start += g.size
-    if level == "neuron":
-        owners = _assign_neurons(groups, ranges, k, r, start)
-    else:
-        tmp = SubnetPlan.__new__(SubnetPlan)
-        tmp.__dict__.update(groups=groups, tensor_shapes=shapes, tensor_dtypes=dtypes, shared=shared,
-                            _param_names=plan._param_names, units=[Unit("block", g.path, None) for g in groups],
-                            unit_ranges=ranges)
-        tmp._costs()
-        owners = _assign_blocks(tmp.unit_bytes, k, r)
+    flops = None
+    if sample_input is not None:
+        unit_flops, shared_flops, source = trace_unit_flops(model, groups, sample_input)
+        flops = {"unit": unit_flops.tolist(), "shared": shared_flops, "source": source}
+    owners = _assign(level, k, r, groups, ranges, flops, shapes=shapes, dtypes=dtypes, shared=shared,
+                     param_names=plan._param_names)
     if seed:
         perm = list(range(k))
         random.Random(seed).shuffle(perm)
         owners = owners[torch.tensor(perm)]
     SubnetPlan.__init__(plan, world_size=k, coverage=float(coverage), level=level, seed=seed, groups=groups,
                         owners=owners, shared=shared, tensor_shapes=shapes, tensor_dtypes=dtypes,
-                        fingerprint=model_fingerprint(model))
+                        fingerprint=model_fingerprint(model), flops=flops, aliases=aliases)
     return plan

@@ -4,7 +4,8 @@ A plan file is input: hand-edited, truncated, from another version, or fuzzed. E
 field is checked for type and range, and the fields are checked against each other —
 the fingerprint against the tensor shapes and dtypes, every group member against the
 tensor it slices, every tensor held by exactly one group or shared, the owner matrix
-against the world size and the unit count — so `SubnetPlan.from_json` either returns a
+against the world size and the unit count, the traced FLOPs (optional: plans written
+before them fall back to 2 x parameters) against the unit count — so `SubnetPlan.from_json` either returns a
 plan that is consistent or raises ValueError naming the first problem.
 """
 from __future__ import annotations
@@ -140,11 +141,51 @@ def _check_owners(d: dict, units: int) -> None:
         raise ValueError("plan JSON: owners must hold only 0 and 1")
 
 
+def _finite_count(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+
+def _check_flops(d: dict, units: int) -> None:
+    """The optional "flops" field: {"unit": [units] FLOPs >= 0, "shared": FLOPs >= 0, "source": str}."""
+    if "flops" not in d:
+        return
+    f = d["flops"]
+    if not isinstance(f, dict) or set(f) != {"unit", "shared", "source"}:
+        raise ValueError("plan JSON: flops must be an object with exactly unit, shared and source")
+    if not isinstance(f["unit"], list) or len(f["unit"]) != units or not all(_finite_count(v) for v in f["unit"]):
+        got = len(f["unit"]) if isinstance(f["unit"], list) else type(f["unit"]).__name__
+        raise ValueError(f"plan JSON: flops.unit must list {units} finite FLOP counts >= 0 (one per unit), got {got}")
+    if not _finite_count(f["shared"]) or not isinstance(f["source"], str):
+        raise ValueError(f"plan JSON: flops.shared must be a finite count >= 0 and flops.source a string, got "
+                         f"{f['shared']!r}, {f['source']!r}")
+
+
 def check_plan_json(d) -> None:
     """Raise ValueError naming the first problem of a parsed plan JSON (see module docstring)."""
     if not isinstance(d, dict) or d.get("format") != "subnet_ext.plan/1":
         raise ValueError("not a subnet_ext plan (missing format 'subnet_ext.plan/1')")
     _check_header(d)
     shapes = _check_tensors(d)
-    _names(d, "param_names", shapes)
-    _check_owners(d, _check_groups(d, shapes))
+    params = _names(d, "param_names", shapes)
+    aliases = _check_aliases(d, shapes, params)
+    units = _check_groups(d, {n: s for n, s in shapes.items() if n not in aliases})
+    _check_owners(d, units)
+    _check_flops(d, units)
+
+
+def _check_aliases(d: dict, shapes: dict, params: list) -> dict:
+    """Optional "aliases" {alias: canonical} (tied weights; plans written before it have
+    none): both names known, same shape and dtype, the canonical one first in the state
+    dict and itself no alias, and an alias neither a parameter name nor a unit's tensor."""
+    aliases = d.get("aliases", {})
+    if not isinstance(aliases, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                for k, v in aliases.items()):
+        raise ValueError(f"plan JSON: aliases must map tensor names to tensor names, got {aliases!r}")
+    order = {n: i for i, n in enumerate(shapes)}
+    for alias, canonical in aliases.items():
+        if alias not in order or canonical not in order or canonical in aliases or \
+                order[canonical] >= order[alias] or alias in params or \
+                shapes[alias] != shapes[canonical] or d["tensor_dtypes"][alias] != d["tensor_dtypes"][canonical]:
+            raise ValueError(f"plan JSON: alias {alias!r} -> {canonical!r} is not a tie of two known tensors of "
+                             "the same shape and dtype, the canonical one first")
+    return aliases

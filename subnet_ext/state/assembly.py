@@ -10,43 +10,44 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..comm.collectives import describe_group, wait
-
-FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+from ..comm.collectives import all_reduce_by_dtype, describe_group
 
 
 def _narrow(t: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
     return t.view(1) if t.dim() == 0 else t.narrow(dim, start, length)
 
 
-def assemble(engine, reduce: bool = True) -> dict:
-    """{original name: tensor of the original shape}; see the module docstring."""
-    plan, rank = engine.plan, engine.rank
+def assemble(layout, reduce: bool = True, process_group=None, timeout: float | None = None) -> dict:
+    """{original name: tensor of the original shape}; see the module docstring.
+
+    Args:
+        layout: this rank's RankLayout.
+        reduce: True sums the leaders' pieces over `process_group` (collective); False
+            returns this rank's own view (NaN where it holds nothing), no communication.
+        timeout: seconds the all-reduce may take (None: the group's own timeout).
+    """
+    plan, rank = layout.plan, layout.rank
     out = {}
     for name, shape in plan.tensor_shapes.items():
         dtype = getattr(torch, plan.tensor_dtypes[name])
-        fill = float("nan") if (not reduce and dtype in FLOATS) else 0
-        out[name] = torch.full(shape, fill, dtype=dtype, device=engine.device)
+        fill = float("nan") if (not reduce and plan.is_float(name)) else 0
+        out[name] = torch.full(shape, fill, dtype=dtype, device=layout.device)
     with torch.no_grad():
-        for p in engine.pieces:
-            if rank not in p.owners or (reduce and p.leader != rank):
+        for p in layout.pieces:
+            if not layout.owns(p) or (reduce and p.leader != rank):
                 continue
-            local = engine.value_of(p.name)
+            local = layout.value_of(p.name)
             _narrow(out[p.name], p.dim, p.start, p.length).copy_(
-                _narrow(local, p.dim, engine.local_start[p], p.length))
-        for name, leader in engine.integer_entries.items():
-            if leader == rank or (not reduce and engine.holds_whole(name)):
-                out[name].copy_(engine.value_of(name))
-    if reduce and engine.world_size > 1 and dist.is_initialized():
-        by_dtype = {}
-        for name, t in out.items():
-            by_dtype.setdefault(t.dtype, []).append(name)
-        for dtype, names in by_dtype.items():
-            flat = torch.cat([out[n].reshape(-1) for n in names])
-            wait(dist.all_reduce(flat, group=engine.process_group, async_op=True), "all_reduce (full state)",
-                 describe_group(range(engine.world_size), engine.world_size), getattr(engine, "timeout", None))
-            for n, part in zip(names, flat.split([out[n].numel() for n in names])):
-                out[n] = part.view(out[n].shape)
+                _narrow(local, p.dim, layout.local_start[p], p.length))
+        for name, leader in layout.integer_entries.items():
+            if leader == rank or (not reduce and layout.holds_whole(name)):
+                out[name].copy_(layout.value_of(name))
+    if reduce and layout.world_size > 1 and dist.is_initialized():
+        names = list(out)
+        reduced = all_reduce_by_dtype([out[n] for n in names], process_group, timeout=timeout,
+                                      label=describe_group(range(layout.world_size), layout.world_size),
+                                      operation="all_reduce (full state)")
+        out = dict(zip(names, reduced))
     return out
 
 
@@ -69,19 +70,20 @@ def check_full_state_dict(plan, state_dict) -> None:
         raise ValueError("the state dict does not belong to this model: " + "; ".join(parts))
 
 
-def load_pieces(engine, state_dict) -> None:
-    """Copy this rank's share of a full state dict into its local tensors."""
-    check_full_state_dict(engine.plan, state_dict)
+def load_pieces(layout, state_dict) -> None:
+    """Copy this rank's share of a full state dict (original names and shapes) into the
+    local tensors of `layout` (a RankLayout). Not collective."""
+    check_full_state_dict(layout.plan, state_dict)
     with torch.no_grad():
-        if engine.regime == "backward":
-            for name in engine.plan.tensor_shapes:
-                engine.value_of(name).copy_(state_dict[name])
+        if not layout.compact:  # full tensors on every rank (backward regime)
+            for name in layout.plan.tensor_shapes:
+                layout.value_of(name).copy_(state_dict[name])
             return
-        for p in engine.pieces:
-            if engine.rank in p.owners:
-                src = state_dict[p.name].to(engine.device)
-                _narrow(engine.value_of(p.name), p.dim, engine.local_start[p], p.length).copy_(
+        for p in layout.pieces:
+            if layout.owns(p):
+                src = state_dict[p.name].to(layout.device)
+                _narrow(layout.value_of(p.name), p.dim, layout.local_start[p], p.length).copy_(
                     _narrow(src, p.dim, p.start, p.length))
-        for name in engine.integer_entries:
-            if engine.holds_whole(name):
-                engine.value_of(name).copy_(state_dict[name])
+        for name in layout.integer_entries:
+            if layout.holds_whole(name):
+                layout.value_of(name).copy_(state_dict[name])

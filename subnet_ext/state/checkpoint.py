@@ -290,7 +290,7 @@ def save_subnet_checkpoint(save_dir: str, step: int, sdp, optimizer=None, manife
     same model (another world size, coverage, level or regime)."""
     from .optim_state import hyperparameters, sharded_state_dict
 
-    tensors, info = sharded_state_dict(sdp, optimizer)
+    tensors, info = sharded_state_dict(sdp.layout, optimizer, sdp.process_group)
     body = {**(manifest or {}), "plan": sdp.plan.to_json(), "sdp": info,
             "optimizer": {"param_groups": hyperparameters(optimizer) if optimizer is not None else []}}
     return save_checkpoint(save_dir, step, tensors, body, group=sdp.process_group, keep_last=keep_last,
@@ -316,7 +316,7 @@ def load_subnet_checkpoint(path: str, sdp, optimizer=None, *, verified_manifest:
     if "plan" not in manifest or "sdp" not in manifest:
         raise CheckpointError(f"{folder} is not a SubnetDataParallel checkpoint (no plan in its manifest; "
                               f"method {manifest.get('identity', {}).get('method')!r})")
-    load_sharded_state_dict(sdp, optimizer, SubnetPlan.from_json(manifest["plan"]), manifest["sdp"],
+    load_sharded_state_dict(sdp.layout, optimizer, SubnetPlan.from_json(manifest["plan"]), manifest["sdp"],
                             state_metadata(folder), lambda request: read_state(folder, request, sdp.process_group))
     if optimizer is not None:
         load_hyperparameters(optimizer, manifest["optimizer"]["param_groups"])

@@ -3,7 +3,7 @@
 SDP's correctness rests on one invariant: after each synchronisation the owners of a
 unit hold identical values (they average the same gradients and apply the same update).
 A silent divergence — a bit flip, a rank that skipped a step alone, a kernel bug —
-would otherwise only show up as a slowly worse model. `verify_consistency(engine)`
+would otherwise only show up as a slowly worse model. `verify_consistency(layout, group)`
 checks the invariant exactly:
 
 - each rank hashes the bytes of every piece it owns (pieces.py: a slice of one tensor
@@ -63,12 +63,12 @@ def describe_piece(plan, piece) -> str:
     return where
 
 
-def _local_hashes(engine, pieces) -> torch.Tensor:
+def _local_hashes(layout, pieces) -> torch.Tensor:
     out = torch.zeros(len(pieces), dtype=torch.int64)
     for i, p in enumerate(pieces):
-        if engine.rank in p.owners:
-            local = engine.value_of(p.name)
-            out[i] = tensor_hash(_narrow(local, p.dim, engine.local_start[p], p.length))
+        if layout.owns(p):
+            local = layout.value_of(p.name)
+            out[i] = tensor_hash(_narrow(local, p.dim, layout.local_start[p], p.length))
     return out
 
 
@@ -99,17 +99,19 @@ def raise_on_mismatch(mismatches: list, what: str = "owners") -> None:
         "checkpoint.", mismatches)
 
 
-def verify_consistency(engine) -> None:
+def verify_consistency(layout, process_group=None, timeout: float | None = None) -> None:
     """Raise ConsistencyError unless every unit's owners hold bit-identical values.
 
-    Collective over the engine's process group (one all_gather of [num_pieces] int64).
+    Args:
+        layout: this rank's RankLayout. process_group, timeout: the engine's.
+    Collective over `process_group` (one all_gather of [num_pieces] int64).
     """
-    if engine.world_size == 1 or not dist.is_initialized():
+    if layout.world_size == 1 or not dist.is_initialized():
         return
-    pieces = [p for p in engine.pieces if len(p.owners) > 1]
-    local = _local_hashes(engine, pieces)
-    table = collectives.all_gather(local, engine.process_group, engine.timeout)
-    labels = [describe_piece(engine.plan, p) for p in pieces]
+    pieces = [p for p in layout.pieces if len(p.owners) > 1]
+    local = _local_hashes(layout, pieces)
+    table = collectives.all_gather(local, process_group, timeout)
+    labels = [describe_piece(layout.plan, p) for p in pieces]
     raise_on_mismatch(compare_hashes(table, [p.owners for p in pieces], labels))
 
 

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from ..comm import collectives
-from ..planning.pieces import global_pieces
-from .slots import area, as_2d, copy_overlaps, full_rect, model_slots, optimizer_slots, overlapping, piece_key
+from ..planning.pieces import full_rectangle, global_pieces
+from .slots import area, as_2d, copy_overlaps, model_slots, optimizer_slots, overlapping, piece_key
 
 MODEL, OPTIM = "model/", "optim/"
 
@@ -48,7 +48,7 @@ def state_kinds(optimizer, params) -> dict:
     return kinds
 
 
-def _all_kinds(optimizer, params, group, timeout) -> dict:
+def _all_kinds(optimizer, params, group) -> dict:
     kinds = state_kinds(optimizer, params)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         everyone = [None] * dist.get_world_size(group)
@@ -118,22 +118,22 @@ def _ensure_state(optimizer, slots, kinds) -> None:
 
 
 # ----------------------------------------------------------------------------- full form
-def full_optimizer_state_dict(engine, optimizer) -> dict:
+def full_optimizer_state_dict(layout, optimizer, process_group=None, timeout: float | None = None) -> dict:
     """{"state": {name: {key: full tensor or 0-d}}, "param_groups": [...]}, identical on every rank.
 
-    Collective over the engine's group: the leader of each piece writes it into zeros and
+    `layout`: this rank's RankLayout. Collective over `process_group`: the leader of each piece writes it into zeros and
     one all-reduce per dtype sums them (bit-exact, like full_state_dict); scalars are
     reduced with MAX. Every float parameter of the plan has an entry (zeros where no rank
     has state for it); buffers have none."""
-    slots = optimizer_slots(engine, optimizer)
-    kinds = _all_kinds(optimizer, [s.param for s in slots], engine.process_group, engine.timeout)
-    names = [n for n in engine.plan.tensor_shapes if n in engine.plan.param_names and engine.plan.is_float(n)]
+    slots = optimizer_slots(layout, optimizer)
+    kinds = _all_kinds(optimizer, [s.param for s in slots], process_group)
+    names = [n for n in layout.plan.tensor_shapes if n in layout.plan.param_names and layout.plan.is_float(n)]
     tensors, scalars = {}, {}
     for key, kind in kinds.items():
         for n in names:
             if kind == "tensor":
-                dtype = getattr(torch, engine.plan.tensor_dtypes[n])
-                tensors[(key, n)] = torch.zeros(engine.plan.tensor_shapes[n], dtype=dtype, device=engine.device)
+                dtype = getattr(torch, layout.plan.tensor_dtypes[n])
+                tensors[(key, n)] = torch.zeros(layout.plan.tensor_shapes[n], dtype=dtype, device=layout.device)
             else:
                 scalars[(key, n)] = 0.0
     with torch.no_grad():
@@ -144,24 +144,19 @@ def full_optimizer_state_dict(engine, optimizer) -> dict:
                     continue
                 if kind == "scalar":
                     scalars[(key, s.piece.name)] = max(scalars[(key, s.piece.name)], float(_scalar(state[key])))
-                elif s.piece.leader == engine.rank:
+                elif s.piece.leader == layout.rank:
                     r0, r1, c0, c1 = s.full
                     l0, _, m0, _ = s.local
                     as_2d(tensors[(key, s.piece.name)])[r0:r1, c0:c1].copy_(
                         as_2d(state[key])[l0:l0 + r1 - r0, m0:m0 + c1 - c0])
-    if engine.world_size > 1 and dist.is_initialized():
-        by_dtype = {}
-        for k, t in tensors.items():
-            by_dtype.setdefault(t.dtype, []).append(k)
-        for keys in by_dtype.values():
-            flat = torch.cat([tensors[k].reshape(-1) for k in keys])
-            collectives.all_reduce(flat, engine.process_group, timeout=engine.timeout)
-            for k, part in zip(keys, flat.split([tensors[k].numel() for k in keys])):
-                tensors[k] = part.view(tensors[k].shape)
+    if layout.world_size > 1 and dist.is_initialized():
+        keys = list(tensors)
+        tensors = dict(zip(keys, collectives.all_reduce_by_dtype([tensors[k] for k in keys], process_group,
+                                                                 timeout=timeout)))
         if scalars:
             keys = list(scalars)
             flat = torch.tensor([scalars[k] for k in keys], dtype=torch.float64)
-            collectives.all_reduce(flat, engine.process_group, op=dist.ReduceOp.MAX, timeout=engine.timeout)
+            collectives.all_reduce(flat, process_group, op=dist.ReduceOp.MAX, timeout=timeout)
             scalars = dict(zip(keys, flat.tolist()))
     state = {n: {} for n in names}
     for (key, n), t in tensors.items():
@@ -171,13 +166,14 @@ def full_optimizer_state_dict(engine, optimizer) -> dict:
     return {"state": state if kinds else {}, "param_groups": hyperparameters(optimizer)}
 
 
-def load_full_optimizer_state_dict(engine, optimizer, full: dict) -> None:
+def load_full_optimizer_state_dict(layout, optimizer, full: dict) -> None:
     """Give this rank's optimizer its share of a `full_optimizer_state_dict()` (any plan's).
+    `layout`: this rank's RankLayout.
 
     Not collective. Raises ValueError when an entry is missing or mis-shaped."""
     if not isinstance(full, dict) or not isinstance(full.get("state"), dict):
         raise ValueError("load_full_optimizer_state_dict needs {'state': {name: {key: tensor}}, 'param_groups': ...}")
-    slots = optimizer_slots(engine, optimizer)
+    slots = optimizer_slots(layout, optimizer)
     kinds = {}
     for entries in full["state"].values():
         for key, value in entries.items():
@@ -195,37 +191,38 @@ def load_full_optimizer_state_dict(engine, optimizer, full: dict) -> None:
                 if kind == "scalar":
                     optimizer.state[s.param][key].fill_(float(_scalar(value)))
                     continue
-                shape = engine.plan.tensor_shapes[s.piece.name]
+                shape = layout.plan.tensor_shapes[s.piece.name]
                 if tuple(value.shape) != tuple(shape):
                     raise ValueError(f"optimizer state {key!r} of {s.piece.name!r} has shape {tuple(value.shape)}, "
                                      f"the model {shape}")
-                src = as_2d(value.to(engine.device).contiguous())
+                src = as_2d(value.to(layout.device).contiguous())
                 whole = (0, src.shape[0], 0, src.shape[1])
                 copy_overlaps(optimizer.state[s.param][key], s.local, s.full, [(whole, src)])
     load_hyperparameters(optimizer, full.get("param_groups"))
 
 
 # ----------------------------------------------------------------------------- sharded form
-def sharded_state_dict(engine, optimizer=None) -> tuple[dict, dict]:
+def sharded_state_dict(layout, optimizer=None, process_group=None) -> tuple[dict, dict]:
     """(tensors, info): the pieces this rank leads, keyed for torch.distributed.checkpoint.
 
     tensors: {"model/<piece key>": [rows, cols] values, "model/<name>": integer entries
     (e.g. num_batches_tracked, whole), "optim/<state key>/<piece key>": state}.
-    info: {"optimizer_state": {state key: kind}} (the same on every rank). Collective when
-    an optimizer is given (the state keys are agreed on)."""
+    info: {"optimizer_state": {state key: kind}} (the same on every rank). `layout`: this
+    rank's RankLayout. Collective over `process_group` when an optimizer is given (the
+    state keys are agreed on)."""
     out = {}
-    for s in model_slots(engine):
-        if s.piece.leader == engine.rank:
+    for s in model_slots(layout):
+        if s.piece.leader == layout.rank:
             out[MODEL + piece_key(s.piece)] = s.read()
-    for name, leader in engine.integer_entries.items():
-        if leader == engine.rank:
-            out[MODEL + name] = engine.value_of(name).detach().clone()
+    for name, leader in layout.integer_entries.items():
+        if leader == layout.rank:
+            out[MODEL + name] = layout.value_of(name).detach().clone()
     kinds = {}
     if optimizer is not None:
-        slots = optimizer_slots(engine, optimizer)
-        kinds = _all_kinds(optimizer, [s.param for s in slots], engine.process_group, engine.timeout)
+        slots = optimizer_slots(layout, optimizer)
+        kinds = _all_kinds(optimizer, [s.param for s in slots], process_group)
         for s in slots:
-            if s.piece.leader != engine.rank:
+            if s.piece.leader != layout.rank:
                 continue
             state = optimizer.state.get(s.param, {})
             for key, kind in kinds.items():
@@ -241,11 +238,12 @@ def sharded_state_dict(engine, optimizer=None) -> tuple[dict, dict]:
     return out, {"optimizer_state": kinds}
 
 
-def load_sharded_state_dict(engine, optimizer, saved_plan, info: dict, available: dict, read) -> None:
+def load_sharded_state_dict(layout, optimizer, saved_plan, info: dict, available: dict, read) -> None:
     """Load the pieces a `sharded_state_dict()` of `saved_plan` saved into this rank's tensors
     and (when `optimizer` is given and state was saved) its optimizer state.
 
     Args:
+        layout: this rank's RankLayout.
         saved_plan: the SubnetPlan that saved them (same model; any world size/coverage/level).
         info: the `info` returned at save time.
         available: {key: (shape, dtype)} of what the checkpoint holds (its metadata).
@@ -254,12 +252,12 @@ def load_sharded_state_dict(engine, optimizer, saved_plan, info: dict, available
     Raises:
         ValueError: another model, or a checkpoint that lacks a piece this plan needs.
     """
-    if saved_plan.fingerprint != engine.plan.fingerprint or saved_plan.tensor_shapes != engine.plan.tensor_shapes:
+    if saved_plan.fingerprint != layout.plan.fingerprint or saved_plan.tensor_shapes != layout.plan.tensor_shapes:
         raise ValueError(f"the checkpoint was saved for another model (structure fingerprint "
-                         f"{saved_plan.fingerprint}, this model {engine.plan.fingerprint})")
+                         f"{saved_plan.fingerprint}, this model {layout.plan.fingerprint})")
     saved = {}
     for p in global_pieces(saved_plan):
-        saved.setdefault(p.name, []).append((full_rect(saved_plan, p), piece_key(p), p.is_param))
+        saved.setdefault(p.name, []).append((full_rectangle(saved_plan, p), piece_key(p), p.is_param))
     request = {}
 
     def want(key):
@@ -270,15 +268,15 @@ def load_sharded_state_dict(engine, optimizer, saved_plan, info: dict, available
         request[key] = torch.empty(shape, dtype=dtype)
 
     targets = []  # (slot, key prefix, tensor to fill)
-    for s in model_slots(engine):
+    for s in model_slots(layout):
         for _, key, _ in overlapping(s.full, saved[s.piece.name]):
             want(MODEL + key)
         targets.append((s, MODEL, s.tensor))
-    integer = [n for n in engine.integer_entries if engine.holds_whole(n)]
+    integer = [n for n in layout.integer_entries if layout.holds_whole(n)]
     for n in integer:
         want(MODEL + n)
     kinds = info.get("optimizer_state", {}) if optimizer is not None else {}
-    optim_slots = optimizer_slots(engine, optimizer) if kinds else []
+    optim_slots = optimizer_slots(layout, optimizer) if kinds else []
     if kinds:
         _ensure_state(optimizer, optim_slots, kinds)
         for s in optim_slots:
@@ -292,7 +290,7 @@ def load_sharded_state_dict(engine, optimizer, saved_plan, info: dict, available
                        for rect, key, _ in overlapping(s.full, saved[s.piece.name])]
             _check_covered(s, copy_overlaps(dst, s.local, s.full, sources))
         for n in integer:
-            engine.value_of(n).copy_(request[MODEL + n])
+            layout.value_of(n).copy_(request[MODEL + n])
         for s in optim_slots:
             parts = overlapping(s.full, saved[s.piece.name])
             state = optimizer.state[s.param]

@@ -14,22 +14,20 @@ tensors) overlap it, and counts the elements written so gaps are caught.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
-from ..planning.pieces import Piece, rectangle
+from ..ops import reference
+from ..planning.pieces import Piece, full_rectangle
 
 Rect = tuple  # (row_begin, row_end, col_begin, col_end)
 
 
-def as_2d(t: torch.Tensor) -> torch.Tensor:
-    """The [size(0), numel // size(0)] *view* of a contiguous tensor (scalar -> [1, 1])."""
-    if not t.is_contiguous():
-        raise ValueError(f"expected a contiguous tensor, got shape {tuple(t.shape)} strides {t.stride()}")
-    if t.dim() == 0:
-        return t.view(1, 1)
-    return t.view(t.shape[0], -1) if t.dim() > 1 else t.view(-1, 1)
+# Slots are written through their 2-D view, so it must be a view: the ops layer's as_2d,
+# refusing non-contiguous tensors.
+as_2d = functools.partial(reference.as_2d, view=True)
 
 
 def area(rect: Rect) -> int:
@@ -54,41 +52,32 @@ class Slot:
         return as_2d(self.tensor)[r0:r1, c0:c1].detach().clone()
 
 
-def full_rect(plan, piece: Piece) -> Rect:
-    return rectangle(plan.tensor_shapes[piece.name], piece.dim, piece.start, piece.length)
-
-
 def piece_key(piece: Piece) -> str:
     """A name for a piece that is unique within one plan: 'blocks.0.fc1.weight|0:32:16'."""
     return f"{piece.name}|{piece.dim}:{piece.start}:{piece.length}"
 
 
-def model_slots(engine) -> list[Slot]:
+def model_slots(layout) -> list[Slot]:
     """Every piece whose value this rank holds (the owned ones in the forward regime; all of
-    them in the backward regime, where every rank keeps full copies)."""
+    them in the backward regime, where every rank keeps full copies). `layout`: RankLayout."""
     out = []
-    for p, start in engine.local_start.items():
-        t = engine.value_of(p.name)
-        out.append(Slot(p, t, rectangle(t.shape, p.dim, start, p.length), full_rect(engine.plan, p)))
+    for p in layout.local_start:
+        t, local = layout.resolve_value(p)
+        out.append(Slot(p, t, local, full_rectangle(layout.plan, p)))
     return out
 
 
-def optimizer_slots(engine, optimizer) -> list[Slot]:
-    """Every owned parameter piece the optimizer updates, with the parameter it lives in."""
+def optimizer_slots(layout, optimizer) -> list[Slot]:
+    """Every owned parameter piece the optimizer updates, with the parameter it lives in
+    (backward regime, neuron level: the owned-slice Parameter itself). `layout`: RankLayout."""
     in_optimizer = {id(q) for g in optimizer.param_groups for q in g["params"]}
     out = []
-    for p in engine.pieces:
-        if not p.is_param or engine.rank not in p.owners:
+    for p in layout.pieces:
+        if not p.is_param or not layout.owns(p):
             continue
-        # Backward regime, neuron level: the optimizer's parameter is the owned slice itself.
-        own = engine._piece_params.get(p)
-        if own is not None:
-            param, local = own, rectangle(own.shape, p.dim, 0, p.length)
-        else:
-            param = engine.value_of(p.name)
-            local = rectangle(param.shape, p.dim, engine.local_start[p], p.length)
+        param, local = layout.optimizer_param(p)
         if id(param) in in_optimizer:
-            out.append(Slot(p, param, local, full_rect(engine.plan, p), param))
+            out.append(Slot(p, param, local, full_rectangle(layout.plan, p), param))
     return out
 
 

@@ -1,0 +1,61 @@
+"""Backward regime: owners refresh the copies of units other ranks do not own.
+
+After each optimizer step only the owners of a unit have updated it; the other ranks
+hold a stale full copy (their forward runs the full model). CopyRefresher overwrites
+those copies with the leader's values so every rank starts the next forward with
+identical full parameters.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import ops
+from .communicator import Communicator
+from ..planning.pieces import Piece
+from .averaging import Resolver
+
+
+class CopyRefresher:
+    """Backward regime: after each optimizer step, each leader (lowest owner) broadcasts the
+    pieces it leads that some rank lacks, and the ranks that do not own a piece overwrite
+    their copy (exact, scale 1). One broadcast per (leader, dtype), in leader order; the
+    layout is static, so it is built once. Simulated: the leader's packing and the bytes
+    are kept, the copies are left as they are.
+
+    Buffers are allocated per call, not kept: they hold every unit some rank lacks, which in
+    the backward regime (full parameters on every rank) would be a second copy of most of
+    the model.
+    """
+
+    def __init__(self, pieces: list[Piece], rank: int, world_size: int, resolve: Resolver, comm: Communicator,
+                 kind: str = "refresh"):
+        self.rank, self.resolve, self.comm, self.kind = rank, resolve, comm, kind
+        self.broadcasts = []  # (leader, representative piece per tensor slot, table, rows to copy, total)
+        if world_size == 1:
+            return
+        for leader in range(world_size):
+            by_dtype = {}
+            for p in pieces:
+                if p.owners[0] == leader and len(p.owners) < world_size:
+                    tensor, rect = resolve(p)
+                    by_dtype.setdefault(tensor.dtype, []).append((p, tensor, rect))
+            for items in by_dtype.values():
+                slots, index, rects = [], {}, []
+                for p, t, rect in items:
+                    if id(t) not in index:
+                        index[id(t)] = len(slots)
+                        slots.append(p)
+                    rects.append((index[id(t)], *rect))
+                table, total = ops.segment_table(rects)
+                keep = [i for i, (p, _, _) in enumerate(items) if rank not in p.owners]
+                self.broadcasts.append((leader, slots, table, table[keep], total))
+
+    def __call__(self) -> None:
+        for leader, slots, table, keep_table, total in self.broadcasts:
+            tensors = [self.resolve(p)[0] for p in slots]
+            buffer = torch.empty(total, dtype=tensors[0].dtype, device=tensors[0].device)
+            if self.rank == leader:
+                ops.pack_segments(tensors, table, buffer)
+            self.comm.broadcast(buffer, leader, self.kind)
+            if len(keep_table) and not self.comm.simulated:
+                ops.unpack_average_(tensors, keep_table, buffer, torch.ones(len(keep_table), dtype=torch.float32))

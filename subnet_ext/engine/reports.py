@@ -1,0 +1,88 @@
+"""What SubnetDataParallel reports about itself: communication counts, memory held, and
+the plan's prediction of model-state bytes. Pure functions of what they are given, so
+the engine's methods stay thin wrappers."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..planning.costs import predicted_comm
+
+
+def comm_stats(counter, plan, rank: int, strategy: str, strategy_costs, regime: str, bucket_cap_bytes: float,
+               averager, direct_gradient_runs: int, simulated: bool) -> dict:
+    """Bytes handed to collectives and collectives issued, in total and per optimizer step.
+
+    Args:
+        counter: the engine's CommCounter. averager: its BucketedAverager.
+        plan, rank, strategy, regime, bucket_cap_bytes: what the prediction is made for.
+    """
+    steps = max(1, counter.steps)
+    return {
+        "strategy": strategy, "strategy_costs": strategy_costs, "steps": counter.steps,
+        "bytes": counter.bytes, "collectives": counter.collectives,
+        "bytes_per_step": counter.bytes / steps, "collectives_per_step": counter.collectives / steps,
+        "by_kind": dict(counter.by_kind),
+        "predicted_per_sync": predicted_comm(plan, rank, strategy, regime, bucket_cap_bytes),
+        "buckets": len(averager.states), "overlap": averager.overlap,
+        "buckets_issued_during_backward": averager.issued_during_backward,
+        "direct_gradient_runs": direct_gradient_runs,
+        "simulated": simulated,
+    }
+
+
+def _storage_counter():
+    """nbytes(tensors): bytes of the storages not counted before (shared storage counts once)."""
+    seen = set()
+
+    def nbytes(ts):
+        total = 0
+        for t in ts:
+            if t is None or t.device.type == "meta":
+                continue
+            key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+            if key not in seen:
+                seen.add(key)
+                total += key[1]
+        return total
+
+    return nbytes
+
+
+def memory_report(module: nn.Module, extra_params: list, averager, device: torch.device, optimizer=None) -> dict:
+    """Bytes one rank holds; see SubnetDataParallel.memory_report.
+
+    Args:
+        module: the wrapped model. extra_params: full tensors held outside its parameters
+            (RankLayout.local_tensors()). averager: the BucketedAverager (its buffers).
+        device: where the model lives (CUDA: the allocator's peak is reported).
+        optimizer: counts its tensor state when given.
+    """
+    nbytes = _storage_counter()
+    params = nbytes(list(module.parameters()) + list(extra_params))
+    bucket_storages = averager.buffer_storages()
+    grad_list = [p.grad for p in module.parameters() if p.grad is not None]
+    in_buffers = {(g.data_ptr(), g.numel() * g.element_size()) for g in grad_list
+                  if g.untyped_storage().data_ptr() in bucket_storages}
+    grads = nbytes([g for g in grad_list if g.untyped_storage().data_ptr() not in bucket_storages])
+    in_buffer_bytes = sum(n for _, n in in_buffers)
+    grads += in_buffer_bytes
+    state = 0
+    if optimizer is not None:
+        state = nbytes([v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)])
+    buffers = nbytes(list(module.buffers()))
+    # Peak activations are measurable on CUDA (allocator peak, which includes the model
+    # state); on CPU the training loop measures them with saved-tensor accounting.
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return {"parameters": params, "gradients": grads, "optimizer_state": state, "buffers": buffers,
+            "model_state": params + grads + state, "peak_allocated": peak,
+            "communication_buffers": averager.buffer_bytes,
+            "gradients_in_buffers": in_buffer_bytes}
+
+
+def predicted_model_state_bytes(plan, rank: int, regime: str, optimizer_state_per_param: float = 2.0) -> float:
+    """Plan's prediction of parameters + gradients + optimizer state (Adam: 2 x params) in bytes."""
+    own = float(plan.bytes_per_rank[rank])
+    if regime == "backward":
+        return plan.full_bytes + own * (1 + optimizer_state_per_param)
+    return own * (2 + optimizer_state_per_param)

@@ -1,0 +1,92 @@
+"""Undo the model surgery: give the user back the model as it was before wrapping.
+
+surgery.py changes the user's modules in place: skipped blocks (SkippedBlock),
+compact Parameters and width attributes (forward regime), owned-slice Parameters,
+`*_full` buffers, instance attributes shadowing a parameter's name, an instance
+`forward` and `_sdp_*` attributes (backward regime). `restore_structure` puts back,
+module by module, what the engine's meta skeleton (a copy of the model taken before
+the surgery) says was there: the same submodule types, parameter and buffer names,
+shapes, dtypes, requires_grad and order, and the same width attributes. The values of
+re-created tensors are left uninitialised: the caller loads the assembled full state.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+
+from .surgery import _WIDTH_ATTRS
+
+_WIDTHS = tuple(a for attrs in _WIDTH_ATTRS.values() for a in attrs)
+
+
+def materialise(skeleton: nn.Module, device: torch.device) -> nn.Module:
+    """A copy of a (meta) skeleton module with uninitialised tensors on `device`; its
+    non-persistent buffers (real in the skeleton, e.g. rotary tables) keep their values.
+    (nn.Module.to_empty would leave those uninitialised too.)"""
+    module = copy.deepcopy(skeleton)
+    for sub in module.modules():
+        for name, p in list(sub._parameters.items()):
+            if p is not None:
+                sub._parameters[name] = nn.Parameter(torch.empty_like(p, device=device),
+                                                     requires_grad=p.requires_grad)
+        for name, b in list(sub._buffers.items()):
+            if b is not None:
+                sub._buffers[name] = torch.empty_like(b, device=device) if b.is_meta else b.to(device)
+    return module
+
+
+def _restore_module(module: nn.Module, original: nn.Module, device: torch.device) -> None:
+    """Make `module`'s own tensors and attributes match `original` (its skeleton twin)."""
+    for key in [k for k in module.__dict__ if k.startswith("_sdp_") or k == "forward"]:
+        del module.__dict__[key]
+    params = {}
+    for name, ref in original._parameters.items():
+        module.__dict__.pop(name, None)  # an instance attribute shadowing the parameter's name
+        current = module._parameters.get(name)
+        if ref is None:
+            params[name] = None
+        elif current is None or current.shape != ref.shape or current.dtype != ref.dtype:
+            params[name] = nn.Parameter(torch.empty(ref.shape, dtype=ref.dtype, device=device),
+                                        requires_grad=ref.requires_grad)
+        else:
+            params[name] = current.requires_grad_(ref.requires_grad)
+    module._parameters.clear()
+    module._parameters.update(params)  # the original names, in the original order
+    buffers = {}
+    for name, ref in original._buffers.items():
+        current = module._buffers.get(name)
+        if ref is None or (current is not None and current.shape == ref.shape and current.dtype == ref.dtype):
+            buffers[name] = current
+        else:
+            buffers[name] = torch.empty_like(ref, device=device) if ref.is_meta else ref.to(device)
+    module._buffers.clear()
+    module._buffers.update(buffers)
+    module._non_persistent_buffers_set.clear()
+    module._non_persistent_buffers_set.update(original._non_persistent_buffers_set)
+    for attr in _WIDTHS:
+        if isinstance(getattr(original, attr, None), int):
+            setattr(module, attr, getattr(original, attr))
+
+
+def restore_structure(model: nn.Module, skeleton: nn.Module, device: torch.device) -> None:
+    """In place: every submodule of `model` gets back the type, tensors (names, shapes,
+    dtypes, requires_grad, order) and width attributes of its twin in `skeleton`.
+
+    Submodules whose type differs (SkippedBlock) are replaced by a materialised copy of
+    the skeleton's; values of re-created tensors are uninitialised.
+    """
+    replaced = []
+    for path, original in skeleton.named_modules():
+        if not path or any(path.startswith(r + ".") for r in replaced):
+            continue
+        parent_path, _, leaf = path.rpartition(".")
+        parent = model.get_submodule(parent_path)
+        current = parent._modules.get(leaf)
+        if current is None or type(current) is not type(original):
+            parent._modules[leaf] = materialise(original, device)
+            replaced.append(path)
+    for path, original in skeleton.named_modules():
+        if not any(path == r or path.startswith(r + ".") for r in replaced):
+            _restore_module(model.get_submodule(path), original, device)

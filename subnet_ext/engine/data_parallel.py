@@ -19,7 +19,6 @@ collectives in one global order, so they cannot deadlock.
 """
 from __future__ import annotations
 
-import copy
 import weakref
 
 import torch
@@ -33,33 +32,20 @@ from ..planning.buckets import DEFAULT_BUCKET_CAP_MB, build_buckets
 from ..comm.communicator import CommCounter, Communicator, SimulatedCommunicator
 from ..comm import collectives
 from ..state import consistency
-from . import guard, reports
+from . import evaluation, guard, reports
 from ..state import optim_state
 from ..comm.collectives import as_timedelta
 from ..planning.costs import DEFAULT_LATENCY_BYTES, choose_strategy
 from ..planning.pieces import global_pieces
 from ..planning.plan import SubnetPlan, model_fingerprint
-from ..state.aliases import retie, with_aliases, without_aliases
+from ..state.aliases import with_aliases, without_aliases
 from ..state.assembly import assemble, load_pieces
 from ..state.layout import RankLayout
-from .restore import restore_structure
+from .restore import meta_skeleton, restore_structure
 from .surgery import attach_direct_gradients, materialise_forward, prepare_backward
 
 REGIMES = ("forward", "backward")
 SCALES = ("none", "inverse")
-
-
-def _meta_skeleton(model: nn.Module) -> nn.Module:
-    """A copy of the model whose parameters and persistent buffers live on the meta device
-    (no memory); non-persistent buffers (e.g. rotary tables) are real copies."""
-    memo = {}
-    for p in model.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-    for m in model.modules():
-        for n, b in m._buffers.items():
-            if b is not None and n not in m._non_persistent_buffers_set:
-                memo[id(b)] = torch.empty_like(b, device="meta")
-    return copy.deepcopy(model, memo)
 
 
 def _world_and_rank(plan: SubnetPlan, process_group, simulate_rank) -> tuple[int, int]:
@@ -151,7 +137,7 @@ class SubnetDataParallel(nn.Module):
         first = next(iter(model.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
         self._sync_initial_state(model)
-        self.__dict__["_skeleton"] = _meta_skeleton(model)  # not a submodule: no state of its own
+        self.__dict__["_skeleton"] = meta_skeleton(model)  # not a submodule: no state of its own
 
         pieces = global_pieces(plan)
         if regime == "forward":
@@ -314,44 +300,24 @@ class SubnetDataParallel(nn.Module):
         return guard.gradients_finite(self._trainable, self.process_group, self.timeout)
 
     def full_model(self) -> nn.Module:
-        """A new, unmasked model holding the assembled full state (collective)."""
+        """A new, unmasked model holding the assembled full state, ties kept (collective)."""
         self._check_open("full_model")
-        model = copy.deepcopy(self._skeleton)
-        canonical = without_aliases(self.plan, self.full_state_dict())
-        missing, unexpected = model.load_state_dict(canonical, assign=True, strict=False)
-        if sorted(missing) != sorted(self.plan.aliases) or unexpected:  # assign=True would untie an alias
-            raise RuntimeError(f"subnet_ext: full_model() could not load {missing} / {unexpected}")
-        retie(self.plan, model)
-        return model
+        return evaluation.full_model(self._skeleton, self.plan, self.full_state_dict())
 
     @torch.no_grad()
     def evaluate(self, *inputs, modes=("full", "ensemble")) -> dict:
         """{"full": the union of subnetworks' output, "ensemble": mean of the ranks' subnetwork
-        outputs (one all-reduce)}. Collective; runs in eval mode and restores the mode."""
+        outputs (one all-reduce)}, each float32 [*, out]. Collective; runs in eval mode and
+        restores the mode."""
         self._check_open("evaluate")
         bad = [m for m in modes if m not in ("full", "ensemble")]
         if bad:
             raise ValueError(f"evaluate modes must be 'full' and/or 'ensemble', got {bad}")
         if "full" in modes:
             self._refuse_if_simulated("evaluate(modes=('full', ...))")
-        was_training = self.module.training
-        self.module.eval()
-        out = {}
-        try:
-            if "ensemble" in modes:
-                y = self.module(*inputs).float()
-                if self.world_size > 1 and not self.simulated:  # simulated: this rank's subnetwork alone
-                    collectives.all_reduce(y, self.process_group, timeout=self.timeout)
-                    y /= self.world_size
-                out["ensemble"] = y
-            if "full" in modes:
-                skeleton = self._skeleton.eval()
-                # Canonical names only: functional_call ties an alias to its canonical value.
-                canonical = without_aliases(self.plan, self.full_state_dict())
-                out["full"] = torch.func.functional_call(skeleton, canonical, inputs).float()
-        finally:
-            self.module.train(was_training)
-        return out
+        communicate = self.world_size > 1 and not self.simulated  # simulated: its own subnetwork alone
+        return evaluation.evaluate(self.module, self._skeleton, self.plan, inputs, modes, self.full_state_dict,
+                                   mean_over=(communicate, self.process_group, self.world_size, self.timeout))
 
     def _refuse_if_simulated(self, what: str) -> None:
         if self.simulated:

@@ -31,6 +31,7 @@ import torch.nn as nn
 from .assign import assign_blocks, assign_neurons
 from .flops import trace_unit_flops
 from .plan_json import check_plan_json
+from .rank_graph import components, rank_graph, spectral_gap
 from .aliases import find_aliases
 from .units import UnitGroup, check_no_chained, find_blocks, find_neuron_groups, slice_numel
 
@@ -189,42 +190,16 @@ class SubnetPlan:
     # ----------------------------------------------------------------- checks
     def rank_graph(self) -> np.ndarray:
         """[K, K] float64: the number of units two ranks share (diagonal 0); shared parameters do not count."""
-        m = self.owners.double().numpy()
-        adj = m @ m.T
-        np.fill_diagonal(adj, 0.0)
-        return adj
+        return rank_graph(self.owners)
 
     def rank_components(self) -> list[list[int]]:
         """Connected components of the rank graph, each a sorted list of ranks, by smallest rank."""
-        adj, left, out = self.rank_graph(), set(range(self.world_size)), []
-        while left:
-            seen, todo = {min(left)}, [min(left)]
-            while todo:
-                i = todo.pop()
-                for j in np.nonzero(adj[i])[0].tolist():
-                    if j not in seen:
-                        seen.add(j)
-                        todo.append(j)
-            out.append(sorted(seen))
-            left -= seen
-        return out
+        return components(self.rank_graph())
 
     @property
     def spectral_gap(self) -> float:
-        """Second-smallest eigenvalue of the rank graph's normalised Laplacian (0 = disconnected).
-
-        Chung's convention: an isolated rank's diagonal entry is 0, so every component,
-        isolated ranks included, contributes one zero eigenvalue.
-        """
-        k = self.world_size
-        if k == 1:
-            return 1.0
-        adj = self.rank_graph()
-        deg = adj.sum(1)
-        with np.errstate(divide="ignore"):
-            inv = np.where(deg > 0, 1.0 / np.sqrt(deg), 0.0)
-        lap = np.diag((deg > 0).astype(np.float64)) - inv[:, None] * adj * inv[None, :]
-        return max(0.0, float(np.sort(np.linalg.eigvalsh(lap))[1]))
+        """Second-smallest eigenvalue of the rank graph's normalised Laplacian (0 = disconnected)."""
+        return spectral_gap(self.rank_graph())
 
     @property
     def imbalance(self) -> dict:
@@ -349,6 +324,15 @@ def _assign(level, k, r, groups, ranges, flops, **tensors) -> torch.Tensor:
     return assign_neurons(ranges, k, r, weight)
 
 
+def _unit_ranges(groups) -> list[tuple[int, int]]:
+    """(first unit, end) of each group in the plan's unit numbering."""
+    ranges, start = [], 0
+    for g in groups:
+        ranges.append((start, start + g.size))
+        start += g.size
+    return ranges
+
+
 def plan_subnetworks(model: nn.Module, world_size: int, coverage: float, level: str = "block", seed: int = 0,
                      blocks=None, neuron_groups=None, sample_input=None) -> SubnetPlan:
     """Plan which rank trains which part of `model`.
@@ -392,10 +376,7 @@ def plan_subnetworks(model: nn.Module, world_size: int, coverage: float, level: 
 
     plan = SubnetPlan.__new__(SubnetPlan)
     plan._param_names = [n for n, _ in model.named_parameters()]
-    ranges, start = [], 0
-    for g in groups:
-        ranges.append((start, start + g.size))
-        start += g.size
+    ranges = _unit_ranges(groups)
     flops = None
     if sample_input is not None:
         unit_flops, shared_flops, source = trace_unit_flops(model, groups, sample_input)

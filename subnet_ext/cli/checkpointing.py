@@ -37,7 +37,12 @@ def stream_seed(seed: int, step: int, rank: int) -> int:
 
 
 def identity(args) -> dict:
-    return {k: getattr(args, k, None) for k in RECORDED}
+    """What a checkpoint was written by: FIXED (must match on resume), the SDP settings and
+    the optimizer-step settings ("training": precision, clipping, schedule, accumulation...,
+    recorded, free to change on resume)."""
+    from .training import training_settings
+
+    return {**{k: getattr(args, k, None) for k in RECORDED}, "training": training_settings(args)}
 
 
 # ----------------------------------------------------------------------------- RNG

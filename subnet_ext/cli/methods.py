@@ -4,6 +4,7 @@ collectives, activation bytes) so the report compares them side by side.
 """
 from __future__ import annotations
 
+import contextlib
 import resource
 
 import torch
@@ -85,9 +86,28 @@ class Method:
 
     def __init__(self, model: nn.Module):
         self.module = model
+        self._compiled = None
+
+    def forward_module(self) -> nn.Module:
+        """The module a training forward calls (the wrapper, or the model for FSDP2)."""
+        return self.module
 
     def __call__(self, x):
-        return self.module(x)
+        # `is None`, not `or`: a compiled module's truth value asks its len(), which wrappers lack.
+        return (self.forward_module() if self._compiled is None else self._compiled)(x)
+
+    def compile(self) -> None:
+        """torch.compile the training forward (--compile); evaluation stays eager."""
+        self._compiled = torch.compile(self.forward_module())
+
+    def no_sync(self):
+        """Context for the first N-1 micro-batches of --grad-accum: backwards only accumulate."""
+        return contextlib.nullcontext()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scales the gradients so their global 2-norm is at most max_norm; returns the
+        pre-clip norm (a 0-d tensor, the same on every rank)."""
+        return torch.nn.utils.clip_grad_norm_(list(self.module.parameters()), max_norm)
 
     def parameters(self):
         return self.module.parameters()
@@ -132,8 +152,11 @@ class DDPMethod(Method):
                        bucket_cap_mb=bucket_cap_mb)
         self.ddp.register_comm_hook(None, _counting_allreduce_hook(self.counter))
 
-    def __call__(self, x):
-        return self.ddp(x)
+    def forward_module(self):
+        return self.ddp
+
+    def no_sync(self):
+        return self.ddp.no_sync()
 
     def after_step(self):
         self.counter.steps += 1
@@ -175,6 +198,15 @@ class FSDPMethod(Method):
             fully_shard(block)
         fully_shard(model)
         self.steps = 0
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        # FSDP2's equivalent of no_sync: gradients stay unsharded and unreduced until re-enabled.
+        self.module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
 
     def after_step(self):
         self.steps += 1
@@ -230,8 +262,15 @@ class SDPMethod(Method):
                                       simulate_rank=simulate_rank, timeout=timeout)
         self.plan = plan
 
-    def __call__(self, x):
-        return self.sdp(x)
+    def forward_module(self):
+        return self.sdp
+
+    def no_sync(self):
+        return self.sdp.no_sync()
+
+    def clip_grad_norm_(self, max_norm):
+        # The norm of the synchronised gradient of the whole model (DESIGN.md §7), not one rank's share.
+        return self.sdp.clip_grad_norm_(max_norm)
 
     def parameters(self):
         return self.sdp.parameters()

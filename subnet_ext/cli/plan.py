@@ -43,10 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
 def sample_input_for(model_name: str, model: nn.Module, seq_len: int = 64, data: str | None = None):
     """(shape, dtype) of one sample `model` reads, for plan_subnetworks(sample_input=...).
 
-    llama: ([1, seq_len], int64) tokens; mlp/plain_mlp: ([1, in_features], param dtype);
+    llama: ([1, seq_len], int64) tokens; hf:DIR (a transformers causal LM): None (its forward
+    cannot be traced on the meta device, so the planner counts FLOPs as 2 x parameters); mlp/plain_mlp: ([1, in_features], param dtype);
     resnet: ([1, in_channels, s, s], param dtype) with s = 8 for --data digits, else 32
     (CIFAR). Raises ValueError for another model name or a non-positive seq_len.
     """
+    if model_name.startswith("hf:"):
+        return None
     if model_name == "llama":
         if not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")

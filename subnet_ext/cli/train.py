@@ -16,14 +16,22 @@ from ..planning.buckets import DEFAULT_BUCKET_CAP_MB
 from .launch import choose_backend, exit_worker, free_port, shutdown_distributed, spawn_local, under_torchrun
 
 METHODS = ("ddp", "fsdp", "sdp")
-MODELS = ("mlp", "resnet", "llama")
+MODELS = ("mlp", "resnet", "llama")  # and hf:DIR, a transformers causal LM's folder
+
+
+def _model_name(value: str) -> str:
+    if value in MODELS or (value.startswith("hf:") and len(value) > 3):
+        return value
+    raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from {', '.join(MODELS)} or hf:DIR)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="subnet-train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--method", choices=METHODS, default="sdp", help="training method (default sdp)")
-    p.add_argument("--model", choices=MODELS, default="mlp")
+    p.add_argument("--model", type=_model_name, default="mlp", metavar="{mlp,resnet,llama,hf:DIR}",
+                   help="hf:DIR: a transformers causal LM (DIR/config.json; weights optional), on token data; "
+                        'needs pip install "subnet_ext[hf]"')
     p.add_argument("--preset", default=None, help="model preset (mlp: tiny; resnet: tiny|small|resnet18; "
                                                   "llama: tiny|small|medium|134m|1b)")
     p.add_argument("--width", type=int, default=None, help="override the preset's width")
@@ -50,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: only at the end)")
+    _add_training_args(p)
     run = p.add_argument_group("launch")
     run.add_argument("--nproc", type=int, default=None, help="start N local workers (not under torchrun)")
     run.add_argument("--backend", default="auto", help="auto (nccl on GPU, gloo on CPU) | gloo | nccl")
@@ -74,22 +83,43 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _add_training_args(p: argparse.ArgumentParser) -> None:
+    from .training import LR_SCHEDULES, PRECISIONS
+
+    t = p.add_argument_group("optimizer step (the same for every method)")
+    t.add_argument("--grad-clip", type=float, default=None, metavar="MAX",
+                   help="clip the global gradient 2-norm to MAX (sdp: the synchronised gradient's norm); the "
+                        "pre-clip norm goes to history['grad_norm']")
+    t.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32",
+                   help="autocast dtype of forward + loss; fp16 adds a loss scaler whose skips every rank agrees on")
+    t.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each residual block in backward (non-reentrant torch.utils.checkpoint)")
+    t.add_argument("--compile", action="store_true",
+                   help="torch.compile the training forward (sdp/ddp: the wrapper; fsdp: the model)")
+    t.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
+                   help="constant, or cosine to 0 at --steps (after the warmup)")
+    t.add_argument("--warmup-steps", type=int, default=0, help="linear warmup over N optimizer steps")
+    t.add_argument("--grad-accum", type=int, default=1, metavar="N",
+                   help="micro-batches of --batch-size per optimizer step (the first N-1 without communication)")
+
+
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Rejects values argparse's types cannot, with the value in the message."""
     if not 0.0 < args.coverage <= 1.0:
         p.error(f"--coverage must be in (0, 1], got {args.coverage}")
     if not 0 <= args.seed < 2**31:
         p.error(f"--seed must be in [0, 2**31), got {args.seed}")
-    for name in ("steps", "batch_size", "seq_len", "sync_every"):
+    for name in ("steps", "batch_size", "seq_len", "sync_every", "grad_accum"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    for name in ("eval_every", "save_every", "stop_after", "verify_every"):
+    for name in ("eval_every", "save_every", "stop_after", "verify_every", "warmup_steps"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if not (args.lr > 0 and math.isfinite(args.lr)):
         p.error(f"--lr must be positive and finite, got {args.lr}")
     if not (args.weight_decay >= 0 and math.isfinite(args.weight_decay)):
         p.error(f"--weight-decay must be >= 0 and finite, got {args.weight_decay}")
+    _check_training_args(p, args)
     if args.width is not None and args.width < 1:
         p.error(f"--width must be at least 1, got {args.width}")
     _check_preset(p, args)
@@ -133,12 +163,24 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--data {args.data}: path {args.data.split(':', 1)[1]!r} does not exist")
 
 
+def _check_training_args(p, args) -> None:
+    if args.grad_clip is not None and not (args.grad_clip > 0 and math.isfinite(args.grad_clip)):
+        p.error(f"--grad-clip must be positive and finite, got {args.grad_clip}")
+    if args.warmup_steps >= args.steps and args.warmup_steps:
+        p.error(f"--warmup-steps {args.warmup_steps} must be less than --steps {args.steps}")
+    if args.model.startswith("hf:") and (args.preset is not None or args.width is not None):
+        p.error(f"--preset and --width apply to the project's models; --model {args.model} takes its size from "
+                "DIR/config.json")
+    if args.model.startswith("hf:") and not os.path.isfile(os.path.join(args.model[3:], "config.json")):
+        p.error(f"--model {args.model}: {os.path.join(args.model[3:], 'config.json')!r} does not exist")
+
+
 def _check_preset(p, args) -> None:
     from ..models.llama import LLAMA_PRESETS
 
     if args.model == "llama" and args.preset not in (None, *LLAMA_PRESETS):
         p.error(f"--preset {args.preset!r} is not a llama preset; choose one of {', '.join(LLAMA_PRESETS)}")
-    if args.model != "llama" and args.preset is not None:
+    if args.model not in ("llama",) and not args.model.startswith("hf:") and args.preset is not None:
         p.error(f"--preset applies to --model llama only, got --preset {args.preset!r} with --model {args.model}")
     if args.model == "llama" and args.width is not None:
         p.error("--width does not apply to llama; pick a --preset instead")
@@ -156,6 +198,29 @@ def _check_checkpoint_args(p, args) -> None:
     if args.save_dir and not args.resume and list_checkpoints(args.save_dir):
         p.error(f"--save-dir {args.save_dir!r} already holds checkpoints of a run; continue it with --resume "
                 "(or --resume auto), or choose another folder (checkpoints are never overwritten silently)")
+
+
+def training_args(**overrides) -> argparse.Namespace:
+    """The arguments of one run as `subnet-train` would parse them: the defaults, with
+    `overrides` (attribute names: method="sdp", batch_size=16, ...), checked by check_args.
+    For programs that launch runs (compare) without building command lines.
+
+    Raises:
+        ValueError: an unknown setting, or a value check_args refuses (its message).
+    """
+    parser = build_parser()
+    args = parser.parse_args([])
+    unknown = sorted(set(overrides) - set(vars(args)))
+    if unknown:
+        raise ValueError(f"training_args: unknown setting(s) {unknown}; known: {sorted(vars(args))}")
+    vars(args).update(overrides)
+
+    def refuse(message):
+        raise ValueError(message)
+
+    parser.error = refuse  # check_args reports through parser.error: a ValueError here, not an exit
+    check_args(parser, args)
+    return args
 
 
 def run(args: argparse.Namespace) -> dict | None:

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from .. import ops
+from ..ops.autocast import autocast_dtype, cast_to
 from ..planning.pieces import Piece, owned_indices
 
 
@@ -118,6 +119,8 @@ class DirectGradient:
 
     def write(self, g2: torch.Tensor, x2: torch.Tensor, rows, cols) -> None:
         grad = self.param.grad
+        if g2.dtype != self.view.dtype:  # autocast: half operands, gradient accumulated in the bucket's dtype
+            g2, x2 = g2.to(self.view.dtype), x2.to(self.view.dtype)
         if grad is not None and grad.data_ptr() != self.view.data_ptr():
             self.view.copy_(grad)  # a gradient put there by someone else: keep accumulating onto it
         ops.masked_linear_grad_weight_(self.view, g2, x2, rows, cols, grad_out_full=True,
@@ -135,6 +138,10 @@ class _OwnedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, dim, idx, splits, direct, n_weight_views, *views):
+        # Under autocast run (and save) the operands in autocast's dtype, as nn.Linear does,
+        # so the backward's operands share one dtype; autograd casts the gradients back.
+        dtype = autocast_dtype(weight)
+        x, weight, bias = cast_to(x, dtype), cast_to(weight, dtype), cast_to(bias, dtype)
         ctx.save_for_backward(x, weight, idx)
         ctx.dim, ctx.splits, ctx.direct, ctx.n_weight_views = dim, splits, direct, n_weight_views
         ctx.bias_is_param = bias is not None and bias.requires_grad

@@ -140,11 +140,11 @@ class _OwnedLinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, dim, idx, splits, direct, n_weight_views, *views):
         # Under autocast run (and save) the operands in autocast's dtype, as nn.Linear does,
         # so the backward's operands share one dtype; autograd casts the gradients back.
+        ctx.bias_is_param = bias is not None and bias.requires_grad  # before the cast (a non-leaf copy)
         dtype = autocast_dtype(weight)
         x, weight, bias = cast_to(x, dtype), cast_to(weight, dtype), cast_to(bias, dtype)
         ctx.save_for_backward(x, weight, idx)
         ctx.dim, ctx.splits, ctx.direct, ctx.n_weight_views = dim, splits, direct, n_weight_views
-        ctx.bias_is_param = bias is not None and bias.requires_grad
         return torch.nn.functional.linear(x, weight, bias)
 
     @staticmethod

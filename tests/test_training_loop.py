@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import subnet_ext as sx
 from sdp_helpers import batch, make_model
+from subnet_ext.planning.pieces import owned_indices
 from subnet_ext.testing import run_distributed
 
 MAX_NORM = 0.05  # below every gradient norm of these runs: clipping is active
@@ -28,15 +29,21 @@ def _params_diff(sdp, ddp) -> float:
 
 def full_shape_gradients(sdp) -> dict:
     """{state-dict name: gradient in the full shape, NaN where this rank holds none}, built
-    from the parameters themselves: whole parameters by name, and the backward regime's
-    owned views by their offset in the full tensor (not from the engine's piece tables)."""
+    from the parameters themselves: whole parameters by name, the forward regime's compact
+    rows/columns by their global indices, the backward regime's owned views by their offset
+    in the full tensor (not from the engine's piece-to-gradient lookups)."""
     out = {}
     for name, p in sdp.module.named_parameters():
         if not p.requires_grad or p.grad is None:
             continue
         path, _, leaf = name.rpartition(".")
         if "_owned" not in leaf:
-            out[name] = p.grad.detach().clone()
+            shape = tuple(sdp.plan.tensor_shapes[name])
+            if tuple(p.grad.shape) == shape:
+                out[name] = p.grad.detach().clone()
+            else:  # forward regime, neuron level: the owned rows or columns, compact
+                dim, idx = owned_indices(sdp.pieces, sdp.rank, name)
+                out[name] = torch.full(shape, float("nan")).index_copy_(dim, idx, p.grad)
             continue
         module = sdp.module.get_submodule(path)
         base = leaf.split("_owned")[0]
@@ -119,7 +126,7 @@ def test_clip_grad_norm_equals_ddp_at_full_coverage():
 
 # --------------------------------------------------------------------------- 4 ranks, C = 0.5
 def _clip_at_half_coverage(rank, world, out):
-    for regime, level in (("forward", "block"), ("backward", "neuron")):
+    for regime, level in (("forward", "block"), ("forward", "neuron"), ("backward", "neuron")):
         for norm_type in (2.0, math.inf):
             model = make_model()
             sdp = sx.SubnetDataParallel(model, sx.plan_subnetworks(model, world, 0.5, level), regime=regime)

@@ -113,8 +113,13 @@ def _ddp_worker(rank, world):
     return out
 
 
-def test_clip_grad_norm_equals_ddp_at_full_coverage():
-    for r in run_distributed(_ddp_worker, 2):
+@pytest.fixture(scope="module")
+def two_rank_results():
+    return run_distributed(_ddp_worker, 2)
+
+
+def test_clip_grad_norm_equals_ddp_at_full_coverage(two_rank_results):
+    for r in two_rank_results:
         for key, v in r.items():
             if key[0] == "bf16":
                 continue
@@ -290,8 +295,8 @@ def test_grad_scaler_skips_on_every_rank(four_rank_results):
     assert not any(r["consistent"] for r in plain)
 
 
-def test_bf16_autocast_equals_ddp_at_full_coverage():
-    for r in run_distributed(_ddp_worker, 2):
+def test_bf16_autocast_equals_ddp_at_full_coverage(two_rank_results):
+    for r in two_rank_results:
         for regime in ("forward", "backward"):
             v = r[("bf16", regime)]
             ddp_losses, sdp_losses = v["losses"][:3], v["losses"][3:]

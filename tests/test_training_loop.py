@@ -150,7 +150,7 @@ def _clip_at_half_coverage(rank, world, out):
                 consistent = True
             except sx.ConsistencyError:
                 consistent = False
-            out[("clip", regime, norm_type)] = {"rows": rows, "consistent": consistent}
+            out[("clip", regime, level, norm_type)] = {"rows": rows, "consistent": consistent}
     # Local SGD (sync_every = 2): each rank clips by its own gradients' norm.
     model = make_model()
     sdp = sx.SubnetDataParallel(model, sx.plan_subnetworks(model, world, 0.5, "block"), sync_every=2)

@@ -7,19 +7,20 @@ import torch.nn.functional as F
 
 import subnet_ext as sx
 from subnet_ext import reference
-from subnet_ext.testing import assert_close_to_reference
+from subnet_ext.testing import DEVICES, assert_close_to_reference
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("compact", [False, True])
-def test_masked_linear_under_cpu_autocast(dtype, compact):
+def test_masked_linear_under_autocast(device, dtype, compact):
     g = torch.Generator().manual_seed(0)
-    rows, cols = torch.tensor([0, 2, 5, 6]), torch.tensor([1, 3, 4, 8, 9])
-    x = torch.randn(3, 7, 10, generator=g, requires_grad=True)
-    full = torch.randn(8, 10, generator=g)
+    rows, cols = torch.tensor([0, 2, 5, 6], device=device), torch.tensor([1, 3, 4, 8, 9], device=device)
+    x = torch.randn(3, 7, 10, generator=g).to(device).requires_grad_()
+    full = torch.randn(8, 10, generator=g).to(device)
     weight = (full[rows][:, cols] if compact else full).clone().requires_grad_()
-    bias = torch.randn(weight.shape[0], generator=g, requires_grad=True)
-    with torch.autocast("cpu", dtype=dtype):
+    bias = torch.randn(weight.shape[0], generator=g).to(device).requires_grad_()
+    with torch.autocast(device, dtype=dtype):
         out = sx.masked_linear(x, weight, bias, rows, cols, compact_weight=compact)
         # torch's own composition under the same autocast: the yardstick of the rule.
         b = bias if compact else bias[rows]

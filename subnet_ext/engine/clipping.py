@@ -70,7 +70,9 @@ def _reduce_device(sdp, fallback: torch.device) -> torch.device:
 def synchronised_grad_norm(sdp, norm_type: float = 2.0) -> torch.Tensor:
     """The norm of the whole model's synchronised gradient: a 0-d float32 tensor, the
     same on every rank. Collective (one all-reduce of one number) when the engine runs
-    with other ranks; call it after a synchronising backward (gradients averaged)."""
+    with other ranks; call it after a synchronising backward (gradients averaged; not
+    inside no_sync(), where each rank holds only its own sum). An engine simulating one
+    rank (simulate_rank) returns the share of the pieces that rank leads."""
     norm_type = _check_args(1.0, norm_type)
     led = [view for piece, view in _held_gradients(sdp) if piece.leader == sdp.rank]
     device = led[0].device if led else sdp.device

@@ -32,7 +32,7 @@ from ..planning.buckets import DEFAULT_BUCKET_CAP_MB, build_buckets
 from ..comm.communicator import CommCounter, Communicator, SimulatedCommunicator
 from ..comm import collectives
 from ..state import consistency
-from . import evaluation, guard, reports
+from . import clipping, evaluation, guard, reports
 from ..state import optim_state
 from ..comm.collectives import as_timedelta
 from ..planning.costs import DEFAULT_LATENCY_BYTES, choose_strategy
@@ -298,6 +298,14 @@ class SubnetDataParallel(nn.Module):
         skip optimizer.step() on every rank. Collective. See guard.py."""
         self._check_open("gradients_finite")
         return guard.gradients_finite(self._trainable, self.process_group, self.timeout)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
+        """Clip gradients by the norm of the whole model's synchronised gradient (as FSDP's
+        method); returns that norm (0-d), the same on every rank. Collective; call it after
+        backward, before optimizer.step(). With sync_every > 1 it clips each rank by its own
+        gradients' norm (local SGD). See clipping.py."""
+        return clipping.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite, foreach)
 
     def full_model(self) -> nn.Module:
         """A new, unmasked model holding the assembled full state, ties kept (collective)."""

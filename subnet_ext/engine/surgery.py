@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from .. import ops
+from ..ops.autocast import autocast_dtype, cast_to
 from ..planning.pieces import Piece, owned_indices
 from ..planning.residual import skip_path
 from .owned_conv import install_owned_conv
@@ -186,6 +187,8 @@ class DirectGradient:
         """Add one use's weight gradient (g2 [N, out], x2 [N, in]) into the bucket view;
         readiness is reported only after the last use of this forward (weight sharing)."""
         grad = self.param.grad
+        if g2.dtype != self.view.dtype:  # autocast: half operands, gradient accumulated in the bucket's dtype
+            g2, x2 = g2.to(self.view.dtype), x2.to(self.view.dtype)
         if grad is not None and grad.data_ptr() != self.view.data_ptr():
             self.view.copy_(grad)  # a gradient put there by someone else: keep accumulating onto it
         # The indices come from the plan (distinct, in range, on the device): no re-validation,
@@ -239,10 +242,14 @@ class _OwnedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, dim, idx, splits, direct, n_weight_views, use_count, *views):
+        # Under autocast run (and save) the operands in autocast's dtype, as nn.Linear does,
+        # so the backward's operands share one dtype; autograd casts the gradients back.
+        ctx.bias_is_param = bias is not None and bias.requires_grad  # before the cast (a non-leaf copy)
+        dtype = autocast_dtype(weight)
+        x, weight, bias = cast_to(x, dtype), cast_to(weight, dtype), cast_to(bias, dtype)
         ctx.save_for_backward(x, weight, idx)
         ctx.dim, ctx.splits, ctx.direct, ctx.n_weight_views = dim, splits, direct, n_weight_views
         ctx.use_count = use_count
-        ctx.bias_is_param = bias is not None and bias.requires_grad
         return torch.nn.functional.linear(x, weight, bias)
 
     @staticmethod

@@ -388,3 +388,5 @@ def _backward(ctx, grad_out, *_unused_grads):
 
 torch.library.register_autograd("subnet_ext::masked_linear", _backward, setup_context=_setup_context)
 torch.library.register_autograd("subnet_ext::masked_linear_forward", _backward, setup_context=_setup_context)
+
+from . import autocast  # noqa: E402,F401  (registers the ops' autocast kernels; needs the ops above)

@@ -37,6 +37,7 @@ def stream_seed(seed: int, step: int, rank: int) -> int:
 
 
 def identity(args) -> dict:
+    """The run's recorded settings ({name: value} for RECORDED), stored in the manifest and compared on resume."""
     return {k: getattr(args, k, None) for k in RECORDED}
 
 
@@ -50,6 +51,7 @@ def _decode(s: str) -> torch.Tensor:
 
 
 def rng_state() -> dict:
+    """This process's RNG states, base64-encoded: {"cpu": str, "cuda": [str per device] when CUDA is initialised}."""
     out = {"cpu": _encode(torch.get_rng_state())}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["cuda"] = [_encode(s.cpu()) for s in torch.cuda.get_rng_state_all()]
@@ -111,6 +113,8 @@ def save(save_dir: str, step: int, method, optimizer, history: dict, args, final
 
 
 def check_compatible(folder: str, manifest: dict, args) -> None:
+    """Raise CheckpointError, naming each differing setting, unless the checkpoint at `folder`
+    was written by a run with the same FIXED settings (method, model, preset, data, width, seed) as `args`."""
     saved = manifest.get("identity", {})
     diffs = [f"{k} {saved.get(k)!r} vs {getattr(args, k, None)!r}" for k in FIXED
              if saved.get(k) != getattr(args, k, None)]

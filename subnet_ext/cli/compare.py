@@ -20,6 +20,7 @@ VARIANTS = [
 
 
 def build_parser():
+    """The argparse parser of `subnet-train compare` (workers, steps, coverage, model, data, output folder)."""
     p = argparse.ArgumentParser(prog="subnet-train compare", description=__doc__)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=400)
@@ -36,6 +37,8 @@ def build_parser():
 
 
 def main(argv=None) -> int:
+    """Train every method/variant with the same settings, one after another, and write the comparison
+    table and plots under --out; returns the process exit code (0 on success)."""
     from .train import build_parser as train_parser, check_args, run
     from .report import markdown_table, plot_runs
 

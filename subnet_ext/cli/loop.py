@@ -36,6 +36,8 @@ def data_rank(args: Namespace) -> tuple[int, int]:
 
 
 def make_method(args: Namespace, model, device):
+    """The training method `args.method` names (DDPMethod, FSDPMethod or SDPMethod) wrapped around
+    `model` on `device`; for SDP the plan is made here, FLOPs traced at the task's input size."""
     bucket_cap_mb = getattr(args, "bucket_cap_mb", DEFAULT_BUCKET_CAP_MB)
     if args.method == "ddp":
         return DDPMethod(model, device, bucket_cap_mb)

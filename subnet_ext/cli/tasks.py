@@ -36,6 +36,7 @@ class Task:
     floor: float | None = None  # known entropy floor of the loss, when the source has one
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy (nats) of logits [..., C] against integer targets [...] (flattened)."""
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
     def score(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[float, float, int]:

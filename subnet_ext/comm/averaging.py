@@ -116,6 +116,7 @@ class BucketedAverager:
 
     @property
     def buffer_bytes(self) -> int:
+        """Bytes of the bucket buffers allocated so far on this rank (alignment gaps included)."""
         return sum(s.buffer.numel() * s.buffer.element_size() for s in self.states if s.buffer is not None)
 
     def buffer_storages(self) -> set:

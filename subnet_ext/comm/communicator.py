@@ -28,6 +28,7 @@ class CommCounter:
     by_kind: dict = field(default_factory=dict)
 
     def add(self, kind: str, buffer: torch.Tensor) -> None:
+        """Count one collective on `buffer`: its numel x element size bytes, under `kind` in by_kind."""
         n = buffer.numel() * buffer.element_size()
         self.bytes += n
         self.collectives += 1
@@ -43,6 +44,7 @@ class PendingCollective:
         self.work, self.operation, self.group, self.timeout = work, operation, group, timeout
 
     def wait(self) -> None:
+        """Block until the collective completes; raise collectives.CollectiveError on failure or timeout."""
         if self.work is not None:
             collectives.wait(self.work, self.operation, self.group, self.timeout)
 
@@ -114,8 +116,10 @@ class SimulatedCommunicator(Communicator):
         self.timeout, self.groups = None, {}
 
     def all_reduce(self, buffer, owners, kind):
+        """Count the bytes of `buffer`; no communication (the buffer keeps this rank's values)."""
         self.counter.add(kind, buffer)
         return PendingCollective(None, f"all_reduce of {kind}", "", None)
 
     def broadcast(self, buffer, src, kind):
+        """Count the bytes of `buffer`; no communication (the buffer keeps this rank's values)."""
         self.counter.add(kind, buffer)

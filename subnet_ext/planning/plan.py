@@ -160,10 +160,12 @@ class SubnetPlan:
 
     @property
     def param_names(self) -> set:
+        """Names of the original model's parameters (state-dict entries that are not buffers)."""
         return set(self._param_names)
 
     @property
     def owner_count(self) -> torch.Tensor:
+        """int64 [len(units)]: how many ranks own each unit."""
         return self.owners.sum(0)
 
     @property
@@ -173,10 +175,13 @@ class SubnetPlan:
 
     @property
     def flops_per_rank(self) -> torch.Tensor:
+        """FLOPs each rank computes per forward of the sample input, float64 [world_size]
+        (shared FLOPs + those of the units it owns; units as flops_source says)."""
         return self.shared_flops + self.owners.double() @ self.unit_flops
 
     @property
     def full_bytes(self) -> float:
+        """Parameter bytes of the full model (shared + every unit)."""
         return self.shared_bytes + float(self.unit_bytes.sum())
 
     def unit_owner_sets(self) -> list[tuple[int, ...]]:
@@ -260,6 +265,7 @@ class SubnetPlan:
         return "\n".join(lines)
 
     def to_json(self) -> str:
+        """The plan as JSON (format "subnet_ext.plan/1"): groups, owners, shapes, dtypes, FLOPs, ..."""
         return json.dumps({
             "format": "subnet_ext.plan/1", "world_size": self.world_size, "coverage": self.coverage,
             "level": self.level, "seed": self.seed, "fingerprint": self.fingerprint,

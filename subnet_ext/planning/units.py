@@ -67,12 +67,14 @@ class UnitGroup:
     skip: str = "identity"
 
     def to_dict(self) -> dict:
+        """The group as a JSON-ready dict (members as dicts), as stored in the plan JSON."""
         d = asdict(self)
         d["members"] = [asdict(m) for m in self.members]
         return d
 
     @staticmethod
     def from_dict(d: dict) -> "UnitGroup":
+        """The UnitGroup a to_dict() dict describes."""
         d = dict(d)
         d["members"] = [Slice(**m) for m in d["members"]]
         return UnitGroup(**d)

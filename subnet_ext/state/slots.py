@@ -31,6 +31,7 @@ as_2d = functools.partial(reference.as_2d, view=True)
 
 
 def area(rect: Rect) -> int:
+    """Elements of a rectangle (row_begin, row_end, col_begin, col_end)."""
     return (rect[1] - rect[0]) * (rect[3] - rect[2])
 
 

@@ -170,7 +170,7 @@ def _assemble_sdp(folder, manifest, available) -> dict:
     from ..planning.pieces import global_pieces
     from ..planning.plan import SubnetPlan
     from ..planning.pieces import full_rectangle
-    from ..state.slots import as_2d, piece_key
+    from ..state.held_pieces import as_2d, piece_key
 
     plan = SubnetPlan.from_json(manifest["plan"])
     out = {n: torch.zeros(shape, dtype=getattr(torch, plan.tensor_dtypes[n]))

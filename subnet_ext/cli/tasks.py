@@ -25,14 +25,14 @@ class Task:
     make_model: () -> nn.Module (called under the same seed on every rank).
     batch: (step, rank, world_size) -> (inputs, targets) for that rank.
     eval_batches: () -> iterator of (inputs, targets) of the held-out set.
-    kind: "classification" (metric: accuracy) or "language" (metric: loss in nats/token).
+    task_type: "classification" (metric: accuracy) or "language" (metric: loss in nats/token).
     """
 
     name: str
     make_model: Callable[[], torch.nn.Module]
     batch: Callable[[int, int, int], tuple]
     eval_batches: Callable[[], Iterator[tuple]]
-    kind: str
+    task_type: str
     floor: float | None = None  # known entropy floor of the loss, when the source has one
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

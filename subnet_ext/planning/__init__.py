@@ -7,7 +7,7 @@ Glossary (the words the code uses for parts of the model and of its tensors):
              "head" or "channel"; a head is a kv head with its query heads).
   group      a UnitGroup (units.py): one block (size 1, its tensors held whole), or `size`
              equal-width units sliced from the same tensors (neurons, heads, channels).
-  member     a group's slice spec of one tensor (units.Slice): (tensor name, dim, width,
+  member     a group's slice spec of one tensor (units.Member): (tensor name, dim, width,
              offset); unit j owns [offset + j*width, offset + (j+1)*width) along dim
              (0: rows, 1: columns). A fused tensor has one member per block of its layout.
   piece      a slice [start, start + length) along dim of one state-dict tensor with one
@@ -29,6 +29,6 @@ Glossary (the words the code uses for parts of the model and of its tensors):
              holds them (plan.shared).
   alias      a state-dict name for the same tensor as an earlier, canonical name (tied
              weights, aliases.py): no pieces, no owners, never communicated.
-  held piece a piece on one rank (state/slots.Slot): the tensor holding it and its local and
-             full rectangles.
+  held piece a piece on one rank (state/held_pieces.HeldPiece): the tensor holding it, its
+             local and its full rectangle.
 """

@@ -257,10 +257,10 @@ class SubnetPlan:
             lines.append(f"| {r} | {int(self.owners[r].sum())} | {b / 2**20:.2f} | {b / full:.1%} | {f / 1e9:.4f} |")
         imb, parts = self.imbalance, self.rank_components() if k > 1 else [[0]]
         graph = "connected" if len(parts) == 1 else f"disconnected by units, tied by shared parameters only {parts}"
-        kind = "traced" if self.flops_source.startswith("traced") else "2 x params"
+        counted_by = "traced" if self.flops_source.startswith("traced") else "2 x params"
         lines += ["", f"checks: every unit owned (min owners {int(self.owner_count.min())}), "
                       f"rank graph by shared units {graph} (spectral gap {self.spectral_gap:.3f}), "
-                      f"imbalance bytes {imb['bytes']:.1%} flops {imb['flops']:.1%} ({kind}), "
+                      f"imbalance bytes {imb['bytes']:.1%} flops {imb['flops']:.1%} ({counted_by}), "
                       f"{len(self.owner_sets())} distinct owner set(s)"]
         return "\n".join(lines)
 

@@ -20,7 +20,7 @@ from subnet_ext import reference
 from subnet_ext.models import ResidualMLP
 from subnet_ext.planning.pieces import global_pieces
 from subnet_ext.planning.pieces import full_rectangle
-from subnet_ext.state.slots import area
+from subnet_ext.state.held_pieces import area
 from subnet_ext.cli.train import build_parser, check_args
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

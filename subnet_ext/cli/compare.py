@@ -29,6 +29,7 @@ def _positive_int(value: str) -> int:
 
 
 def build_parser():
+    """The argparse parser of `subnet-train compare` (workers, steps, coverage, model, data, output folder)."""
     p = argparse.ArgumentParser(prog="subnet-train compare", description=__doc__)
     p.add_argument("--nproc", type=_positive_int, default=2)
     p.add_argument("--steps", type=_positive_int, default=400)
@@ -64,6 +65,8 @@ def run_variants(opts, variants, seed: int) -> list[dict]:
 
 
 def main(argv=None) -> int:
+    """Train every method/variant with the same settings (over --seeds seeds), one after another,
+    and write the comparison table and plots under --out; returns the process exit code (0 on success)."""
     from .report import markdown_table, plot_runs, seeds_table
 
     opts = build_parser().parse_args(argv)

@@ -37,6 +37,8 @@ def data_rank(args: Namespace) -> tuple[int, int]:
 
 
 def make_method(args: Namespace, model, device):
+    """The training method `args.method` names (DDPMethod, FSDPMethod or SDPMethod) wrapped around
+    `model` on `device`; for SDP the plan is made here, FLOPs traced at the task's input size."""
     bucket_cap_mb = getattr(args, "bucket_cap_mb", DEFAULT_BUCKET_CAP_MB)
     if args.method == "ddp":
         return DDPMethod(model, device, bucket_cap_mb)
@@ -175,11 +177,11 @@ def _record(history: dict, step: int, loss: float, record: dict, guard) -> None:
 
 def _report(args, task, method, per_rank, comm, final, history, world):
     step_time = max(r["step_time_s"] for r in per_rank)
-    samples = args.batch_size * world * (args.seq_len if task.kind == "language" else 1)
+    samples = args.batch_size * world * (args.seq_len if task.task_type == "language" else 1)
     return {
         "method": args.method,
         "label": _label(args),
-        "model": args.model, "preset": args.preset, "data": args.data, "task": task.kind,
+        "model": args.model, "preset": args.preset, "data": args.data, "task": task.task_type,
         "loss_floor": task.floor,
         "world_size": world, "steps": args.steps, "batch_size_per_rank": args.batch_size,
         "training": training_settings(args),
@@ -193,7 +195,7 @@ def _report(args, task, method, per_rank, comm, final, history, world):
         "comm": comm,
         "step_time_s": step_time,
         "throughput_per_s": samples / step_time if step_time > 0 else None,
-        "throughput_unit": "tokens" if task.kind == "language" else "samples",
+        "throughput_unit": "tokens" if task.task_type == "language" else "samples",
         "history": history,
         "skipped_steps": len(history.get("skipped", [])),
     }

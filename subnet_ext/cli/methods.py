@@ -22,6 +22,7 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the tensors in `optimizer.state` this rank holds (local shards of DTensors)."""
     return sum(tensor_bytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
 
 
@@ -53,6 +54,7 @@ class ActivationMeter:
 
 
 def peak_rss_bytes() -> int:
+    """Peak resident set size of this process in bytes (getrusage ru_maxrss, KiB on Linux, x 1024)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -110,12 +112,14 @@ class Method:
         return torch.nn.utils.clip_grad_norm_(list(self.module.parameters()), max_norm)
 
     def parameters(self):
+        """The parameters the optimizer steps."""
         return self.module.parameters()
 
     def after_step(self):
         """Called after optimizer.step(): counts a step for the per-step comm averages."""
 
     def memory(self, optimizer) -> dict:
+        """Bytes this rank holds: {"parameters", "gradients", "optimizer_state", "model_state" (their sum)}."""
         params = sum(tensor_bytes(p) for p in self.module.parameters())
         grads = sum(tensor_bytes(p.grad) for p in self.module.parameters() if p.grad is not None)
         state = optimizer_state_bytes(optimizer)
@@ -123,12 +127,16 @@ class Method:
                 "model_state": params + grads + state}
 
     def comm(self) -> dict:
+        """Communication per optimizer step: {"bytes_per_step", "collectives_per_step", "wire_bytes_per_step",
+        "source" (counted or predicted)}; bytes are those handed to collectives."""
         raise NotImplementedError
 
     def full_state_dict(self) -> dict:
+        """The full model's state dict ({name: tensor}, full shapes), as the unwrapped model would give it."""
         raise NotImplementedError
 
     def load_full_state_dict(self, sd: dict) -> None:
+        """Load a full model state dict (as full_state_dict returns) into the wrapped model."""
         raise NotImplementedError
 
     def eval_logits(self, x) -> dict:
@@ -141,6 +149,8 @@ class Method:
 
 
 class DDPMethod(Method):
+    """torch DistributedDataParallel, with a comm hook that counts the gradient bytes it all-reduces."""
+
     name = "ddp"
 
     def __init__(self, model, device, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB):
@@ -159,9 +169,11 @@ class DDPMethod(Method):
         return self.ddp.no_sync()
 
     def after_step(self):
+        """Count one optimizer step (the denominator of the per-step comm averages)."""
         self.counter.steps += 1
 
     def comm(self):
+        """Counted gradient all-reduce bytes and collectives per step; wire bytes = 2(K-1)/K x bytes (ring)."""
         steps = max(1, self.counter.steps)
         k = dist.get_world_size()
         per_step = self.counter.bytes / steps
@@ -169,18 +181,22 @@ class DDPMethod(Method):
                 "wire_bytes_per_step": 2 * (k - 1) / k * per_step, "source": "counted (DDP comm hook)"}
 
     def full_state_dict(self):
+        """A detached copy of the replica's state dict ({name: tensor}, full shapes)."""
         return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
 
     def load_full_state_dict(self, sd):
+        """Load a full state dict into the replica (every rank loads the same `sd`)."""
         self.module.load_state_dict(sd)
 
     def verify_consistency(self):
+        """Raise ConsistencyError unless every rank holds the same state dict (collective)."""
         from ..state.consistency import verify_replicas
 
         verify_replicas(self.module.state_dict())  # data parallelism: every rank is a replica
 
     @torch.no_grad()
     def eval_logits(self, x):
+        """{"full": logits of the replica on x} (e.g. x: [B, in_features] -> [B, num_classes])."""
         return {"full": self.module(x)}
 
 
@@ -209,12 +225,15 @@ class FSDPMethod(Method):
             self.module.set_requires_gradient_sync(True)
 
     def after_step(self):
+        """Count one optimizer step (the denominator of the per-step comm averages)."""
         self.steps += 1
 
     def comm(self):
         # FSDP2 issues its collectives from C++-backed helpers that a Python counter cannot see
         # reliably; its schedule is fixed, so the bytes are predicted from the parameter sizes:
         # all-gather in forward and again in backward (reshard_after_forward) + one reduce-scatter.
+        """Predicted bytes and collectives per step from FSDP2's fixed schedule: two all-gathers and one
+        reduce-scatter of the full parameters (3 x full bytes), 3 collectives per sharded module."""
         k = dist.get_world_size()
         full = sum(p.numel() * p.element_size() for p in self.module.parameters())
         n_groups = sum(1 for m in self.module.modules() if _is_fsdp(m))
@@ -222,17 +241,20 @@ class FSDPMethod(Method):
                 "wire_bytes_per_step": 3 * (k - 1) / k * full, "source": "predicted (FSDP2 schedule)"}
 
     def full_state_dict(self):
+        """The full (unsharded) model state dict on the CPU (collective)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         return get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def load_full_state_dict(self, sd):
+        """Load a full model state dict into the sharded model (each rank keeps its shards)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         set_model_state_dict(self.module, sd, options=StateDictOptions(full_state_dict=True))
 
     @torch.no_grad()
     def eval_logits(self, x):
+        """{"full": logits of the sharded model on x} (parameters gathered per module)."""
         return {"full": self.module(x)}
 
 
@@ -250,6 +272,9 @@ def _is_block_list_member(model, name):
 
 
 class SDPMethod(Method):
+    """Subnetwork data parallelism: `model` wrapped in SubnetDataParallel with `plan` (each rank
+    trains its subnetwork; pieces averaged among their owners)."""
+
     name = "sdp"
 
     def __init__(self, model, plan, regime, sync_every, scale, process_group=None, bucket_cap_mb=DEFAULT_BUCKET_CAP_MB,
@@ -273,29 +298,37 @@ class SDPMethod(Method):
         return self.sdp.clip_grad_norm_(max_norm)
 
     def parameters(self):
+        """The parameters this rank's optimizer steps (its subnetwork's, from SubnetDataParallel)."""
         return self.sdp.parameters()
 
     def memory(self, optimizer):
+        """SubnetDataParallel.memory_report, with "model_state" = parameters + gradients + optimizer state."""
         report = dict(self.sdp.memory_report(optimizer))
         report.setdefault("model_state", report["parameters"] + report["gradients"] + report["optimizer_state"])
         return report
 
     def comm(self):
+        """SubnetDataParallel.comm_stats, with "source": counted by the SDP communicator."""
         stats = dict(self.sdp.comm_stats())
         stats.setdefault("source", "counted (SDP communicator)")
         return stats
 
     def full_state_dict(self):
+        """The full model's state dict assembled from every rank's pieces (collective)."""
         return self.sdp.full_state_dict()
 
     def load_full_state_dict(self, sd):
+        """Load a full model state dict: each rank keeps the pieces it holds."""
         self.sdp.load_full_state_dict(sd)
 
     def verify_consistency(self):
+        """Raise ConsistencyError unless every piece's owners hold identical values (collective)."""
         self.sdp.verify_consistency()
 
     @torch.no_grad()
     def eval_logits(self, x):
+        """{"full": full-model logits, "ensemble": mean of the subnetworks' logits}; a simulated rank
+        gives {"subnetwork": its own subnetwork's logits}. Logits [B, num_classes] or [B, T, vocab]."""
         if self.sdp.simulated:  # one rank alone: only its own subnetwork can be evaluated
             return {"subnetwork": self.sdp.evaluate(x, modes=("ensemble",))["ensemble"]}
         return self.sdp.evaluate(x, modes=("full", "ensemble"))

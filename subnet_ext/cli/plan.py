@@ -25,6 +25,7 @@ MIB = 2 ** 20
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser of `subnet-plan` (model, preset, width, world size, coverage, level, ...)."""
     p = argparse.ArgumentParser(prog="subnet-plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=("mlp", "resnet", "llama"), default="llama")
@@ -89,6 +90,8 @@ def cost_table(plan, regime: str) -> str:
 
 
 def main(argv=None) -> int:
+    """Plan the subnetworks of a model built on the meta device and print the plan, its imbalance and
+    the predicted per-rank costs (optionally the plan JSON to --json); returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.world_size < 1:

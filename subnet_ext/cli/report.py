@@ -54,17 +54,17 @@ def summary_row(report: dict, baseline: dict | None = None) -> dict:
 def markdown_table(reports: list[dict], baseline_label: str = "ddp") -> str:
     """One row per run; ratios against the run labelled `baseline_label` (if present)."""
     base = next((r for r in reports if r["label"] == baseline_label), None)
-    kind = reports[0]["task"]
-    qname = "test acc" if kind == "classification" else "eval loss"
+    task = reports[0]["task"]
+    qname = "test acc" if task == "classification" else "eval loss"
     head = (f"| run | {qname} (full) | {qname} (ensemble) | Δ vs {baseline_label} | model state MiB/rank | ×{baseline_label} "
             "| params | grads | optim | activations MiB | comm MiB/step | ×ddp | collectives/step | step ms | ×ddp "
             f"| {reports[0]['throughput_unit']}/s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for rep in reports:
         r = summary_row(rep, base)
-        fmt_q = (lambda v: "n/a" if v is None else (f"{100 * v:.2f}%" if kind == "classification" else f"{v:.4f}"))
+        fmt_q = (lambda v: "n/a" if v is None else (f"{100 * v:.2f}%" if task == "classification" else f"{v:.4f}"))
         delta = r.get("quality_minus_base")
-        delta_s = "n/a" if delta is None else (f"{100 * delta:+.2f} pp" if kind == "classification" else f"{delta:+.4f}")
+        delta_s = "n/a" if delta is None else (f"{100 * delta:+.2f} pp" if task == "classification" else f"{delta:+.4f}")
         ratio = lambda k: "n/a" if r.get(k) is None else f"{r[k]:.3f}"  # noqa: E731
         lines.append(
             f"| {r['run']} | {fmt_q(r['quality'])} | {fmt_q(r['ensemble'])} | {delta_s} | {_mib(r['model_state_bytes'])} "

@@ -28,17 +28,18 @@ class Task:
         pure function of those numbers and the seed (a resumed run sees the same batches);
         with micro_steps=1 it is the step's one batch.
     eval_batches: () -> iterator of (inputs, targets) of the held-out set.
-    kind: "classification" (metric: accuracy) or "language" (metric: loss in nats/token).
+    task_type: "classification" (metric: accuracy) or "language" (metric: loss in nats/token).
     """
 
     name: str
     make_model: Callable[[], torch.nn.Module]
     batch: Callable[[int, int, int], tuple]
     eval_batches: Callable[[], Iterator[tuple]]
-    kind: str
+    task_type: str
     floor: float | None = None  # known entropy floor of the loss, when the source has one
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy (nats) of logits [..., C] against integer targets [...] (flattened)."""
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
     def score(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[float, float, int]:

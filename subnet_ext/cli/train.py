@@ -26,6 +26,7 @@ def _model_name(value: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser of `subnet-train` (method, model, data, steps, SDP level/regime, checkpoints, ...)."""
     p = argparse.ArgumentParser(prog="subnet-train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--method", choices=METHODS, default="sdp", help="training method (default sdp)")
@@ -263,6 +264,8 @@ def run(args: argparse.Namespace) -> dict | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point of `subnet-train` (also `subnet-train compare ...`): parse, run, print the report
+    table; returns the exit code (1 when the run stopped on a detected failure)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "compare":
         from .compare import main as compare_main

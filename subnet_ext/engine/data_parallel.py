@@ -232,6 +232,8 @@ class SubnetDataParallel(nn.Module):
 
     # ------------------------------------------------------------------ public API
     def forward(self, *args, **kwargs):
+        """Run this rank's subnetwork (the wrapped model, with its skipped blocks and sliced units)
+        on the inputs; same arguments and output shapes as the unwrapped model."""
         self._check_open("forward")
         return self.module(*args, **kwargs)
 
@@ -358,6 +360,7 @@ class SubnetDataParallel(nn.Module):
         return reports.predicted_model_state_bytes(self.plan, self.rank, self.regime, optimizer_state_per_param)
 
     def extra_repr(self) -> str:
+        """regime, level, rank/world size, coverage, sync period and bucket strategy, for repr()."""
         return (f"regime={self.regime!r}, level={self.plan.level!r}, rank={self.rank}/{self.world_size}, "
                 f"coverage={self.plan.coverage}, sync_every={self.sync_every}, strategy={self.strategy!r}")
 

@@ -22,7 +22,7 @@ def comm_stats(counter, plan, rank: int, strategy: str, strategy_costs, regime: 
         "strategy": strategy, "strategy_costs": strategy_costs, "steps": counter.steps,
         "bytes": counter.bytes, "collectives": counter.collectives,
         "bytes_per_step": counter.bytes / steps, "collectives_per_step": counter.collectives / steps,
-        "by_kind": dict(counter.by_kind),
+        "by_quantity": dict(counter.by_quantity),
         "predicted_per_sync": predicted_comm(plan, rank, strategy, regime, bucket_cap_bytes),
         "buckets": len(averager.states), "overlap": averager.overlap,
         "buckets_issued_during_backward": averager.issued_during_backward,

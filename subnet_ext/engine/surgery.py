@@ -27,6 +27,7 @@ from .owned_conv import install_owned_conv
 
 
 def split_name(name: str) -> tuple[str, str]:
+    """('a.b', 'c') for 'a.b.c': the module path and the leaf attribute of a dotted name."""
     path, _, leaf = name.rpartition(".")
     return path, leaf
 
@@ -73,11 +74,14 @@ class SkippedBlock(nn.Module):
             raise
 
     def forward(self, x, *args, **kwargs):
+        """The skip path's output for x (the block's input; extra arguments ignored): x itself for
+        skip="identity", else shortcut(x) or relu(shortcut(x)), shaped as the block's output."""
         if self._skip_forward is not None:
             return self._skip_forward(self, x)
         return x
 
     def extra_repr(self) -> str:
+        """The skip mode, for repr()."""
         return f"skip={self.skip!r}"
 
 

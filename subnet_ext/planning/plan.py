@@ -160,10 +160,12 @@ class SubnetPlan:
 
     @property
     def param_names(self) -> set:
+        """Names of the original model's parameters (state-dict entries that are not buffers)."""
         return set(self._param_names)
 
     @property
     def owner_count(self) -> torch.Tensor:
+        """int64 [len(units)]: how many ranks own each unit."""
         return self.owners.sum(0)
 
     @property
@@ -173,10 +175,13 @@ class SubnetPlan:
 
     @property
     def flops_per_rank(self) -> torch.Tensor:
+        """FLOPs each rank computes per forward of the sample input, float64 [world_size]
+        (shared FLOPs + those of the units it owns; units as flops_source says)."""
         return self.shared_flops + self.owners.double() @ self.unit_flops
 
     @property
     def full_bytes(self) -> float:
+        """Parameter bytes of the full model (shared + every unit)."""
         return self.shared_bytes + float(self.unit_bytes.sum())
 
     def unit_owner_sets(self) -> list[tuple[int, ...]]:
@@ -252,14 +257,15 @@ class SubnetPlan:
             lines.append(f"| {r} | {int(self.owners[r].sum())} | {b / 2**20:.2f} | {b / full:.1%} | {f / 1e9:.4f} |")
         imb, parts = self.imbalance, self.rank_components() if k > 1 else [[0]]
         graph = "connected" if len(parts) == 1 else f"disconnected by units, tied by shared parameters only {parts}"
-        kind = "traced" if self.flops_source.startswith("traced") else "2 x params"
+        counted_by = "traced" if self.flops_source.startswith("traced") else "2 x params"
         lines += ["", f"checks: every unit owned (min owners {int(self.owner_count.min())}), "
                       f"rank graph by shared units {graph} (spectral gap {self.spectral_gap:.3f}), "
-                      f"imbalance bytes {imb['bytes']:.1%} flops {imb['flops']:.1%} ({kind}), "
+                      f"imbalance bytes {imb['bytes']:.1%} flops {imb['flops']:.1%} ({counted_by}), "
                       f"{len(self.owner_sets())} distinct owner set(s)"]
         return "\n".join(lines)
 
     def to_json(self) -> str:
+        """The plan as JSON (format "subnet_ext.plan/1"): groups, owners, shapes, dtypes, FLOPs, ..."""
         return json.dumps({
             "format": "subnet_ext.plan/1", "world_size": self.world_size, "coverage": self.coverage,
             "level": self.level, "seed": self.seed, "fingerprint": self.fingerprint,

@@ -31,10 +31,11 @@ _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 
 @dataclass(frozen=True)
-class Slice:
-    """Slice j of `name` is [offset + j*width, offset + (j+1)*width) along `dim` (0: rows,
-    1: columns). A fused tensor lists one Slice per block of its layout (fused qkv: offsets
-    0, E and 2E), so a unit owns several column or row blocks of the same tensor."""
+class Member:
+    """A group's slice spec of one tensor: unit j's slice of `name` is [offset + j*width,
+    offset + (j+1)*width) along `dim` (0: rows, 1: columns). A fused tensor lists one Member
+    per block of its layout (fused qkv: offsets 0, E and 2E), so a unit owns several column
+    or row blocks of the same tensor."""
 
     name: str
     dim: int
@@ -67,14 +68,16 @@ class UnitGroup:
     skip: str = "identity"
 
     def to_dict(self) -> dict:
+        """The group as a JSON-ready dict (members as dicts), as stored in the plan JSON."""
         d = asdict(self)
         d["members"] = [asdict(m) for m in self.members]
         return d
 
     @staticmethod
     def from_dict(d: dict) -> "UnitGroup":
+        """The UnitGroup a to_dict() dict describes."""
         d = dict(d)
-        d["members"] = [Slice(**m) for m in d["members"]]
+        d["members"] = [Member(**m) for m in d["members"]]
         return UnitGroup(**d)
 
 
@@ -82,24 +85,24 @@ def _join(*parts: str) -> str:
     return ".".join(p for p in parts if p)
 
 
-def _entries(module: nn.Module, path: str, dim: int, width: int = 1, with_buffers: bool = True) -> list[Slice]:
-    """Slices of a module's own parameters (and float buffers) along dim."""
-    out = [Slice(_join(path, n), dim, width) for n, p in module.named_parameters(recurse=False)
+def _entries(module: nn.Module, path: str, dim: int, width: int = 1, with_buffers: bool = True) -> list[Member]:
+    """Members (slice specs) of a module's own parameters (and float buffers) along dim."""
+    out = [Member(_join(path, n), dim, width) for n, p in module.named_parameters(recurse=False)
            if not (dim == 0 and p.dim() == 0)]
     if with_buffers:
         for n, b in module.named_buffers(recurse=False):
             if b is not None and b.is_floating_point() and b.dim() >= 1 and n in module._buffers \
                     and n not in module._non_persistent_buffers_set:
-                out.append(Slice(_join(path, n), dim, width, buffer=True))
+                out.append(Member(_join(path, n), dim, width, buffer=True))
     return out
 
 
-def _linear_producer(module: nn.Linear, path: str, width: int = 1) -> list[Slice]:
+def _linear_producer(module: nn.Linear, path: str, width: int = 1) -> list[Member]:
     return _entries(module, path, 0, width)
 
 
-def _linear_consumer(module: nn.Linear, path: str, width: int = 1) -> list[Slice]:
-    return [Slice(_join(path, "weight"), 1, width)]
+def _linear_consumer(module: nn.Linear, path: str, width: int = 1) -> list[Member]:
+    return [Member(_join(path, "weight"), 1, width)]
 
 
 def _is_basic_block(m: nn.Module) -> bool:
@@ -247,7 +250,7 @@ def _pair_group(model, kind, path, producers, consumers, norms=()) -> UnitGroup:
         if m.weight.dim() < 2:
             raise ValueError(f"consumer {c!r} has a {m.weight.dim()}-D weight; it needs input columns")
         widths.add(m.weight.shape[1])
-        members.append(Slice(_join(c, "weight"), 1, 1))
+        members.append(Member(_join(c, "weight"), 1, 1))
     if len(widths) != 1:
         raise ValueError(f"neuron group {path!r}: producers and consumers disagree on the width: {sorted(widths)}")
     return UnitGroup(kind, path, widths.pop(), members=members, consumers=list(consumers))
@@ -275,10 +278,10 @@ def _fused_attention_group(attn: nn.Module, path: str) -> UnitGroup:
     fused_dim = 1 if gpt2 else 0  # Conv1D weight is [in, out]: outputs are columns
     members = []
     for offset in (0, e, 2 * e):
-        members.append(Slice(_join(path, fused, "weight"), fused_dim, d, offset=offset))
+        members.append(Member(_join(path, fused, "weight"), fused_dim, d, offset=offset))
         if getattr(attn, fused).bias is not None:
-            members.append(Slice(_join(path, fused, "bias"), 0, d, offset=offset))
-    members.append(Slice(_join(path, out, "weight"), 0 if gpt2 else 1, d))
+            members.append(Member(_join(path, fused, "bias"), 0, d, offset=offset))
+    members.append(Member(_join(path, out, "weight"), 0 if gpt2 else 1, d))
     return UnitGroup("head", path, heads, members=members, consumers=[_join(path, out)])
 
 
@@ -288,8 +291,8 @@ def _conv1d_mlp_group(mlp: nn.Module, path: str) -> UnitGroup:
     hidden = mlp.c_fc.nf
     if mlp.c_proj.weight.shape[0] != hidden:
         raise ValueError(f"MLP {path!r}: c_fc has {hidden} outputs but c_proj takes {mlp.c_proj.weight.shape[0]}")
-    members = [Slice(_join(path, "c_fc", "weight"), 1, 1), Slice(_join(path, "c_fc", "bias"), 0, 1),
-               Slice(_join(path, "c_proj", "weight"), 0, 1)]
+    members = [Member(_join(path, "c_fc", "weight"), 1, 1), Member(_join(path, "c_fc", "bias"), 0, 1),
+               Member(_join(path, "c_proj", "weight"), 0, 1)]
     return UnitGroup("neuron", path, hidden, members=members, consumers=[_join(path, "c_proj")])
 
 
@@ -383,7 +386,7 @@ def check_no_chained(groups: list[UnitGroup]) -> None:
             seen[n] = g.path
 
 
-def slice_numel(t_shape: torch.Size, member: Slice) -> int:
+def slice_numel(t_shape: torch.Size, member: Member) -> int:
     """Elements of one unit's slice of a tensor of shape t_shape."""
     total = 1
     for s in t_shape:

@@ -85,6 +85,8 @@ def compare_hashes(table: torch.Tensor, holders: list[tuple], labels: list[str])
 
 
 def raise_on_mismatch(mismatches: list, what: str = "owners") -> None:
+    """Raise ConsistencyError listing (up to 5 of) `mismatches`, each (label, {hash: ranks});
+    return when there are none. `what` names who disagrees."""
     if not mismatches:
         return
     lines = []

@@ -48,7 +48,8 @@ def build_parser():
 
 def run_variants(opts, variants, seed: int) -> list[dict]:
     """One report per variant at `seed`, each from training_args(...) -> run (no command lines)."""
-    from .train import run, training_args
+    from .arguments import training_args
+    from .runner import run
 
     reports = []
     for method, level, regime in variants:

@@ -163,9 +163,11 @@ class DDPMethod(Method):
         self.ddp.register_comm_hook(None, _counting_allreduce_hook(self.counter))
 
     def forward_module(self):
+        """The module the training forward calls (torch DDP's wrapper, which may be compiled)."""
         return self.ddp
 
     def no_sync(self):
+        """DDP's context that accumulates gradients without all-reducing them."""
         return self.ddp.no_sync()
 
     def after_step(self):
@@ -217,6 +219,7 @@ class FSDPMethod(Method):
 
     @contextlib.contextmanager
     def no_sync(self):
+        """Accumulate gradients without reduce-scattering them (FSDP2's gradient-sync switch)."""
         # FSDP2's equivalent of no_sync: gradients stay unsharded and unreduced until re-enabled.
         self.module.set_requires_gradient_sync(False)
         try:
@@ -288,12 +291,15 @@ class SDPMethod(Method):
         self.plan = plan
 
     def forward_module(self):
+        """The module the training forward calls (the SubnetDataParallel wrapper)."""
         return self.sdp
 
     def no_sync(self):
+        """SDP's context that accumulates gradients without averaging them among owners."""
         return self.sdp.no_sync()
 
     def clip_grad_norm_(self, max_norm):
+        """Clip by the whole model's synchronised gradient norm; returns that norm (0-d tensor)."""
         # The norm of the synchronised gradient of the whole model (DESIGN.md §7), not one rank's share.
         return self.sdp.clip_grad_norm_(max_norm)
 

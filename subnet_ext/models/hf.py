@@ -50,6 +50,7 @@ def hf_vocab_size(folder: str) -> int:
 
 
 def has_weights(folder: str) -> bool:
+    """True when `folder` holds weight files transformers can load (safetensors or .bin)."""
     return any(glob.glob(os.path.join(folder, pattern)) for pattern in _WEIGHT_PATTERNS)
 
 
@@ -66,6 +67,7 @@ class HFCausalLM(nn.Module):
         self.model = model
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids int64 [B, T] -> logits [B, T, vocab_size]."""
         # No KV cache: a training forward; the output object's logits only.
         return self.model(input_ids=input_ids, use_cache=False).logits
 

@@ -127,8 +127,70 @@ def as_torch(d):
     return {k: torch.from_numpy(v) for k, v in d.items()}
 
 
+COUNTED = [(regime, strategy) for regime in ("forward", "backward") for strategy in ("groups", "zero_filled")]
+
+
+def _comm_and_memory(rank, world):
+    """Per (regime, strategy): (bytes and collectives a wrapper around torch.distributed's
+    all_reduce/broadcast saw during 2 steps, comm_stats()'s counts over the same steps),
+    and (memory this function sums from the tensors it can see, memory_report())."""
+    import torch.distributed as dist
+
+    seen = {"bytes": 0, "collectives": 0}
+    real = {"all_reduce": dist.all_reduce, "broadcast": dist.broadcast}
+
+    def counting(op):
+        def wrapper(tensor, *args, **kwargs):
+            seen["bytes"] += tensor.numel() * tensor.element_size()
+            seen["collectives"] += 1
+            return real[op](tensor, *args, **kwargs)
+        return wrapper
+
+    param_names = {n for n, _ in make_model().named_parameters()}
+    out = {}
+    for regime, strategy in COUNTED:
+        model = make_model()
+        sdp = sx.SubnetDataParallel(model, sx.plan_subnetworks(model, world, 0.5, "neuron"), regime=regime,
+                                    strategy=strategy)
+        opt = torch.optim.AdamW(sdp.parameters(), lr=1e-2)
+        before = dict(sdp.comm_stats()), dict(seen)
+        dist.all_reduce, dist.broadcast = counting("all_reduce"), counting("broadcast")
+        try:
+            train(sdp, opt, rank, 1)
+            x, y = batch(rank, 1)
+            F.cross_entropy(sdp(x), y).backward()  # gradients held for the memory count
+            opt.step()
+        finally:
+            dist.all_reduce, dist.broadcast = real["all_reduce"], real["broadcast"]
+        stats = sdp.comm_stats()
+        counted = {k: seen[k] - before[1][k] for k in seen}
+        claimed = {k: stats[k] - before[0][k] for k in seen}
+        out[(regime, strategy)] = (counted, claimed, own_memory(sdp, opt, param_names), sdp.memory_report(opt))
+    return out
+
+
+def own_memory(sdp, opt, param_names):
+    """Bytes of parameter storages (every parameter of the module and every tensor holding
+    an original parameter's value), of gradients (each its own elements) and of optimizer
+    state tensors, each storage or gradient counted once."""
+    def unique_bytes(tensors, whole_storage):
+        seen, total = set(), 0
+        for t in tensors:
+            k = t.untyped_storage().data_ptr() if whole_storage else (t.data_ptr(), t.numel())
+            if k not in seen:
+                seen.add(k)
+                total += t.untyped_storage().nbytes() if whole_storage else t.numel() * t.element_size()
+        return total
+
+    params = unique_bytes([*sdp.module.parameters(), *(sdp.value_of(n) for n in param_names
+                                                         if sdp.holds_whole(n))], True)
+    grads = unique_bytes([p.grad for p in sdp.module.parameters() if p.grad is not None], False)
+    state = unique_bytes([v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)], True)
+    return {"parameters": params, "gradients": grads, "optimizer_state": state, "model_state": params + grads + state}
+
+
 def _worker(rank, world):
-    out = {"grads": {}}
+    out = {"grads": {}, "counted": _comm_and_memory(rank, world)}
     for name, level, regime in CONFIGS:
         model = build(name)
         sdp = sx.SubnetDataParallel(model, sx.plan_subnetworks(model, world, 0.5, level), regime=regime)
@@ -225,6 +287,15 @@ def test_inverse_scale_matches_hand_scaled_full_model(rank):
     torch.testing.assert_close(sim(x), hand(x), rtol=1e-5, atol=1e-6)
     plain = sx.SubnetDataParallel(copy.deepcopy(model), plan, regime="forward", simulate_rank=rank)
     assert (plain(x) - hand(x)).abs().max() > 1e-3  # unscaled differs: the check can fail
+
+
+@pytest.mark.parametrize("regime,strategy", COUNTED)
+def test_comm_and_memory_match_independent_counts(results, regime, strategy):
+    world, per_rank = results
+    for rank, r in enumerate(per_rank):
+        counted, claimed, own, report = r["counted"][(regime, strategy)]
+        assert counted["bytes"] > 0 and counted == claimed, (rank, counted, claimed)
+        assert {k: report[k] for k in own} == own, (rank, own, report)
 
 
 # Measured at 2 ranks after 30 steps (last-5 mean): see the report; chance is ln 5 = 1.61.

@@ -308,7 +308,7 @@ def _linear_backward(case, mask, full):
     except RuntimeError as e:
         # Known bug, pinned by test_backward_with_no_kept_outputs below (strict xfail): only
         # this exact case is let through, so any other RuntimeError still fails the surface.
-        if grad_out.shape[-1] == 0 and not full and "cannot reshape tensor of 0 elements" in str(e):
+        if grad_out.shape[-1] == 0 and "cannot reshape tensor of 0 elements" in str(e):
             return "known bug: no kept outputs"
         raise
     expected = reference.masked_linear_backward(grad_out, x, weight, out_idx, in_idx, **kw)
@@ -320,9 +320,10 @@ def _linear_backward(case, mask, full):
 
 
 @pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "library bug: masked_linear_backward with an empty out_idx (|R| = 0) and a compact-width "
-    "grad_out [N, 0] raises RuntimeError 'cannot reshape tensor of 0 elements into shape [-1, 0]' "
-    "although the forward accepts it, so autograd through masked_linear fails"))
+    "library bug: masked_linear_backward with no kept outputs (an empty out_idx, or a compact "
+    "weight with 0 rows), i.e. grad_out [N, 0], raises RuntimeError 'cannot reshape tensor of 0 "
+    "elements into shape [-1, 0]' although the forward accepts it, so autograd through "
+    "masked_linear fails"))
 def test_backward_with_no_kept_outputs():
     x = torch.randn(3, 2, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(2, 2, dtype=torch.float64, requires_grad=True)

@@ -1,4 +1,4 @@
-"""Long fuzzing run (`make fuzz`, outside CI): every surface of tests/test_fuzz.py with
+"""Long fuzzing run (`make fuzz`, outside CI): every surface of tests/test_fuzz*.py with
 SUBNET_EXT_FUZZ_EXAMPLES examples (default here 10,000), each checked the way the test
 checks it (only the intended error type, or the reference result; a minimum share of
 examples compared). Writes the counts and the outcome per surface to
@@ -44,17 +44,19 @@ def main(argv=None):
     os.environ.setdefault("SUBNET_EXT_FUZZ_EXAMPLES", "10000")
     examples = int(os.environ["SUBNET_EXT_FUZZ_EXAMPLES"])
     sys.path.insert(0, os.path.join(ROOT, "tests"))
-    import test_fuzz  # reads SUBNET_EXT_FUZZ_EXAMPLES at import
+    import test_fuzz  # noqa: E402 - reads SUBNET_EXT_FUZZ_EXAMPLES at import (via fuzz_harness)
+    import test_fuzz_ops
+    from fuzz_harness import assert_compared
 
     started, rows, failed = time.time(), [], 0
-    for name, (fuzz, min_fraction) in test_fuzz.SURFACES.items():
+    for name, (fuzz, min_fraction) in {**test_fuzz.SURFACES, **test_fuzz_ops.SURFACES}.items():
         if args.only and args.only not in name:
             continue
         t0 = time.time()
         counts = {}
         try:
             counts = fuzz()
-            test_fuzz.assert_compared(counts, min_fraction)
+            assert_compared(counts, min_fraction)
             outcome = f"PASS (compared >= {min_fraction:.0%})"
         except BaseException as e:  # noqa: BLE001 - reported in the table, the run goes on
             failed += 1

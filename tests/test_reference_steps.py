@@ -9,6 +9,9 @@
   rank's 2-step local trajectory;
 - scale="inverse": a subnetwork's output equals the full model with the consumer's
   input masked and multiplied by h/h_k by hand;
+- comm_stats() against the bytes and collectives a wrapper around torch.distributed's
+  all_reduce/broadcast saw, and memory_report() against the bytes this file sums from
+  the parameters, gradients and optimizer state it can see;
 - learning: each method/regime drives a separable synthetic task's loss below a bound.
 
 One process set per world size (start-up dominates on 2 cores); models are tiny.

@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip
 DEPS := torch numpy ninja pybind11 setuptools wheel pytest hypothesis tqdm matplotlib scikit-learn transformers safetensors
 export MAX_JOBS ?= 2
 
-.PHONY: venv build test demo bench bench-e2e clean
+.PHONY: venv build test demo bench bench-e2e fuzz clean
 
 $(VENV)/.deps: Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,10 @@ bench: build
 
 bench-e2e: build
 	$(PY) bench/e2e.py
+
+# Long fuzzing run, outside CI: >= 10,000 examples per fuzzed surface; writes bench/results/fuzz.md.
+fuzz: build
+	SUBNET_EXT_FUZZ_EXAMPLES=$${SUBNET_EXT_FUZZ_EXAMPLES:-10000} $(PY) bench/fuzz.py
 
 clean:
 	rm -rf build bench/bin *.egg-info subnet_ext/_C*.so subnet_ext/_build_info.py

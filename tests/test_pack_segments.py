@@ -100,13 +100,25 @@ def test_many_tensors_and_large_segments(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_empty_segment_list_and_empty_rectangles(device):
+    """Empty rectangles and an empty table move nothing: every tensor and every buffer
+    element keeps its value (the reference agrees)."""
     tensors = make_tensors(device, torch.float32)
+    kept = [t.clone() for t in tensors]
     segments, n = sx.segment_table([(0, 3, 3, 0, 7), (1, 0, 0, 0, 1)])
     assert n == 0
-    buffer = torch.zeros(0, device=device)
-    sx.pack_segments(tensors, segments, buffer)
+    # A buffer with elements outside every segment: they must be left as they were.
+    buffer = torch.arange(5, dtype=torch.float32, device=device) + 0.5
+    sentinel = buffer.clone()
+    assert sx.pack_segments(tensors, segments, buffer) is buffer
+    torch.testing.assert_close(buffer, sentinel, rtol=0, atol=0)
+    torch.testing.assert_close(buffer.cpu(), ref.pack_segments([t.cpu() for t in tensors], segments,
+                                                               sentinel.cpu().clone()), rtol=0, atol=0)
     sx.unpack_average_(tensors, segments, buffer, [1.0, 1.0])
     sx.pack_segments(tensors, torch.empty(0, 6, dtype=torch.int64), buffer)
+    sx.unpack_average_(tensors, torch.empty(0, 6, dtype=torch.int64), buffer, [])
+    torch.testing.assert_close(buffer, sentinel, rtol=0, atol=0)
+    for t, k in zip(tensors, kept):
+        torch.testing.assert_close(t, k, rtol=0, atol=0)
 
 
 def test_opcheck():
@@ -139,9 +151,10 @@ def _bad_cases():
     ]
 
 
-@pytest.mark.parametrize("case", range(10))
+# Parametrised over the case list itself: a case added to _bad_cases() is always run.
+@pytest.mark.parametrize("case", _bad_cases(), ids=lambda case: case[0])
 def test_bad_input_is_a_clear_error(case):
-    name, tensors, segments, buffer, message = _bad_cases()[case]
+    name, tensors, segments, buffer, message = case
     with pytest.raises(ValueError, match=message):
         sx.pack_segments(tensors, segments, buffer)
     scales = torch.ones(len(segments), dtype=torch.float64)

@@ -18,6 +18,14 @@
 namespace subnet_ext {
 namespace {
 
+// [*, width] viewed as [N, width], N the product of the leading sizes: reshape({-1, width})
+// cannot infer N when width is 0 (no kept outputs, or an empty input).
+at::Tensor as_rows(const at::Tensor& t, int64_t width) {
+  int64_t rows = 1;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) rows *= t.size(d);
+  return t.reshape({rows, width});
+}
+
 struct Shapes {
   int64_t kept_out;  // |R|
   int64_t kept_in;   // |S|
@@ -145,7 +153,7 @@ at::Tensor masked_linear_impl(const char* op, const at::Tensor& x, const at::Ten
                       weight.scalar_type(), " on ", weight.device());
     bias_block = (!compact_weight && out_idx.has_value()) ? at::index_select(*bias, 0, *out_idx) : *bias;
   }
-  const at::Tensor x2 = x.reshape({-1, s.x_width});
+  const at::Tensor x2 = as_rows(x, s.x_width);
   const at::Tensor xs = gather_columns(x2, in_idx, k);
   const at::Tensor w = gather_weight_block(weight, out_idx, in_idx, compact_weight, s, k);
   const at::Tensor y = bias_block.defined() ? at::addmm(bias_block, xs, w.t()) : at::mm(xs, w.t());
@@ -191,8 +199,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_linear_backward_impl(
     TORCH_CHECK_VALUE(grad_out_full || !out_idx.has_value(), op,
                       ": dense_grad_input needs the full grad_out (grad_out_full=True)");
   }
-  const at::Tensor g2 = grad_out.reshape({-1, g_width});
-  const at::Tensor x2 = x.reshape({-1, s.x_width});
+  const at::Tensor g2 = as_rows(grad_out, g_width);
+  const at::Tensor x2 = as_rows(x, s.x_width);
   const at::Tensor g_kept = grad_out_full ? gather_columns(g2, out_idx, k) : g2;
   const bool saved_x = use_saved(op, "x_kept", x_kept, x2.size(0), s.kept_in, x);
   const bool saved_w = use_saved(op, "weight_block", weight_block, s.kept_out, s.kept_in, x);
@@ -241,8 +249,8 @@ void masked_linear_grad_weight_impl(const at::Tensor& out, const at::Tensor& gra
   }
   TORCH_CHECK_VALUE(out.dim() == 2 && out.size(0) == kept_out && out.size(1) == kept_in, op,
                     ": out must have shape [", kept_out, ", ", kept_in, "], got ", out.sizes());
-  const at::Tensor g2 = grad_out.reshape({-1, g_width});
-  const at::Tensor x2 = x.reshape({-1, x_width});
+  const at::Tensor g2 = as_rows(grad_out, g_width);
+  const at::Tensor x2 = as_rows(x, x_width);
   TORCH_CHECK_VALUE(g2.size(0) == x2.size(0), op, ": grad_out has ", g2.size(0), " rows but x has ", x2.size(0));
   const at::Tensor g_kept = grad_out_full ? gather_columns(g2, out_idx, k) : g2;
   const at::Tensor xs = gather_columns(x2, in_idx, k);

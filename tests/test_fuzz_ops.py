@@ -81,12 +81,6 @@ def _linear_backward(case, mask, full):
         got = sx.masked_linear_backward(grad_out, x, weight, out_idx, in_idx, **kw)
     except CLEAR:
         return "clear error"
-    except RuntimeError as e:
-        # Known bug, pinned by test_backward_with_no_kept_outputs below (strict xfail): only
-        # this exact case is let through, so any other RuntimeError still fails the surface.
-        if grad_out.shape[-1] == 0 and "cannot reshape tensor of 0 elements" in str(e):
-            return "known bug: no kept outputs"
-        raise
     expected = reference.masked_linear_backward(grad_out, x, weight, out_idx, in_idx, **kw)
     for a, b in zip(got, expected):
         assert (a is None) == (b is None)
@@ -95,12 +89,9 @@ def _linear_backward(case, mask, full):
     return COMPARED
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "library bug: masked_linear_backward with no kept outputs (an empty out_idx, or a compact "
-    "weight with 0 rows), i.e. grad_out [N, 0], raises RuntimeError 'cannot reshape tensor of 0 "
-    "elements into shape [-1, 0]' although the forward accepts it, so autograd through "
-    "masked_linear fails"))
 def test_backward_with_no_kept_outputs():
+    """No kept outputs (an empty out_idx): grad_out is [N, 0]; the backward must give zero
+    input gradients, not fail reshaping an empty tensor (it once raised RuntimeError)."""
     x = torch.randn(3, 2, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(2, 2, dtype=torch.float64, requires_grad=True)
     none_kept = torch.empty(0, dtype=torch.int64)

@@ -3,7 +3,6 @@ rectangles and tables. The contract: a ValueError (TORCH_CHECK_VALUE) or exactly
 reference result; any other exception, a RuntimeError included, fails. Each surface
 asserts a minimum share of examples reached the reference (see fuzz_harness.py).
 """
-import pytest
 import torch
 from hypothesis import strategies as st
 

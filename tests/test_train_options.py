@@ -3,7 +3,6 @@
 one-process reference loop the test runs itself. Tiny runs: 3 steps, 1-2 gloo workers."""
 import json
 import math
-import os
 
 import pytest
 import torch

@@ -7,6 +7,7 @@ import math
 import os
 
 from ..planning.buckets import DEFAULT_BUCKET_CAP_MB
+from .launch import choose_backend
 
 METHODS = ("ddp", "fsdp", "sdp")
 MODELS = ("mlp", "resnet", "llama")  # and hf:DIR, a transformers causal LM's folder

@@ -11,7 +11,6 @@ collective has a deadline (`--timeout`).
 """
 from __future__ import annotations
 
-import contextlib
 import sys
 import time
 from argparse import Namespace

@@ -64,7 +64,7 @@ def piece_grads(sdp):
     out = {}
     for p in sdp.pieces:
         if p.is_param and sdp.rank in p.owners:
-            g, (r0, r1, c0, c1) = sdp._resolve_grad(p)
+            g, (r0, r1, c0, c1) = sdp.layout.resolve_grad(p)
             out[key(p)] = as_2d(g)[r0:r1, c0:c1].detach().clone()
     return out
 
@@ -74,7 +74,7 @@ def piece_values(sdp):
     out = {}
     for p in sdp.pieces:
         if sdp.rank in p.owners and sdp.plan.is_float(p.name):
-            v, (r0, r1, c0, c1) = sdp._resolve_value(p)
+            v, (r0, r1, c0, c1) = sdp.layout.resolve_value(p)
             out[key(p)] = as_2d(v)[r0:r1, c0:c1].detach().clone()
     return out
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from subnet_ext.cli import compare, train
+from subnet_ext.cli import compare, runner, train
 from subnet_ext.cli.report import seeds_table
 
 transformers = pytest.importorskip("transformers")  # the [hf] extra; in the Makefile's DEPS, so CI has it
@@ -78,7 +78,7 @@ def test_compare_seeds_builds_runs_with_training_args_and_tabulates(tmp_path, mo
         seen.append((label, args.seed, args.steps))
         return _fake_report(label, accuracy.get((label, args.seed), 0.70 + 0.01 * args.seed))
 
-    monkeypatch.setattr(train, "run", fake_run)
+    monkeypatch.setattr(runner, "run", fake_run)  # what compare calls
     monkeypatch.setattr(compare, "VARIANTS", [("ddp", None, None), ("sdp", "block", "forward")])
     assert compare.main(["--seeds", "3", "--steps", "7", "--out", str(tmp_path)]) == 0
     assert sorted(seen) == sorted((lbl, s, 7) for lbl in ("ddp", "sdp-block-forward") for s in range(3))

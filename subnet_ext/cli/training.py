@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import types
 
 import torch
 import torch.nn as nn
@@ -81,12 +82,13 @@ def autocast(device: torch.device, precision: str):
     return torch.autocast(device.type, dtype=PRECISIONS[precision])
 
 
-def _checkpointed(forward):
-    @functools.wraps(forward)
-    def run(*args, **kwargs):
-        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+def _checkpointed_forward(self, *args, **kwargs):
+    """The block's class forward, recomputed in backward (non-reentrant checkpoint).
 
-    return run
+    Installed as a method bound to the block (types.MethodType), not as a closure over
+    the block's bound forward: a deep copy of the model (the planner's meta copy for FLOP
+    tracing, the engine's skeleton) then calls its own copy, not the original block."""
+    return torch.utils.checkpoint.checkpoint(type(self).forward, self, *args, use_reentrant=False, **kwargs)
 
 
 def apply_activation_checkpointing(model: nn.Module) -> int:
@@ -114,7 +116,7 @@ def apply_activation_checkpointing(model: nn.Module) -> int:
     if not blocks:
         raise ValueError(f"--activation-checkpointing: {type(model).__name__} has no residual blocks to checkpoint")
     for block in blocks:
-        block.forward = _checkpointed(block.forward)
+        block.forward = types.MethodType(_checkpointed_forward, block)
     return len(blocks)
 
 

@@ -256,7 +256,9 @@ def test_averaged_gradient_is_owner_mean(results, config):
         got = as_torch(r["grads"][config])
         assert set(got) == owned_param_pieces[rank], rank  # every owned piece, and only those, compared
         for k, g in got.items():
-            torch.testing.assert_close(g, expected[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"rank {rank} {k}: {m}")
+            # float32 sums in other orders: a convolution's weight gradient computed for the owned
+            # channels only (backward regime) or by another oneDNN algorithm differs by ~1e-5.
+            torch.testing.assert_close(g, expected[k], rtol=1e-4, atol=5e-5, msg=lambda m: f"rank {rank} {k}: {m}")
 
 
 def test_local_sgd_is_owner_mean_of_local_trajectories(results):

@@ -19,6 +19,7 @@ collectives in one global order, so they cannot deadlock.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import weakref
 
@@ -38,11 +39,13 @@ from ..state import optim_state
 from ..comm.collectives import as_timedelta
 from ..planning.costs import DEFAULT_LATENCY_BYTES, choose_strategy
 from ..planning.pieces import global_pieces
+from ..planning.sharding import communicated_pieces
 from ..planning.plan import SubnetPlan, model_fingerprint
 from ..state.aliases import retie, with_aliases, without_aliases
 from ..state.assembly import assemble, load_pieces
 from ..state.layout import RankLayout
 from .restore import restore_structure
+from .sharding import SharedShards, check_shard_shared
 from .surgery import attach_direct_gradients, materialise_forward, prepare_backward
 
 REGIMES = ("forward", "backward")
@@ -115,12 +118,16 @@ class SubnetDataParallel(nn.Module):
         timeout: seconds any of the engine's collectives may take before it raises a
             CollectiveError naming the operation and the group (None: the process
             group's own timeout). See collectives.py.
+        shard_shared: shard the plan's shared parameters over the group with torch's FSDP2
+            (gathered per use, gradients reduce-scattered, optimizer state sharded); SDP
+            averages only the units. Needs sync_every=1 and no simulate_rank. See sharding.py.
     """
 
     def __init__(self, model: nn.Module, plan: SubnetPlan, regime: str = "forward", sync_every: int = 1,
                  scale: str = "none", process_group=None, strategy: str = "auto",
                  latency_bytes: float = DEFAULT_LATENCY_BYTES, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
-                 overlap: bool = True, simulate_rank: int | None = None, timeout: float | None = None):
+                 overlap: bool = True, simulate_rank: int | None = None, timeout: float | None = None,
+                 shard_shared: bool = False):
         super().__init__()
         if not isinstance(plan, SubnetPlan):
             raise ValueError(f"plan must be a SubnetPlan, got {type(plan).__name__}")
@@ -136,6 +143,8 @@ class SubnetDataParallel(nn.Module):
         if not (isinstance(bucket_cap_mb, (int, float)) and 0 < bucket_cap_mb < float("inf")):
             raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
         self.simulated = simulate_rank is not None
+        if shard_shared:
+            check_shard_shared(self.simulated, sync_every)
         self.world_size, self.rank = _world_and_rank(plan, process_group, simulate_rank)
         if plan.world_size != self.world_size:
             raise ValueError(f"the plan was made for world size {plan.world_size}, but the process group has "
@@ -164,7 +173,7 @@ class SubnetDataParallel(nn.Module):
                                  piece_params=piece_params, value_refs=value_refs)
         self.pieces, self.local_start = self.layout.pieces, self.layout.local_start
         self.integer_entries = self.layout.integer_entries
-
+        self.shared_shards = SharedShards(model, self.layout, process_group, self.device) if shard_shared else None
         self._trainable = [p for p in model.parameters() if p.requires_grad]
         self._trainable_ids = {id(p) for p in self._trainable}
         self._setup_communication(strategy, latency_bytes, bucket_cap_mb * 2**20, overlap, timeout)
@@ -191,9 +200,12 @@ class SubnetDataParallel(nn.Module):
     def _setup_communication(self, strategy, latency_bytes, bucket_cap_bytes, overlap, timeout) -> None:
         """Strategy (cost model), bucket layout, process groups (or their simulation), averager."""
         self.bucket_cap_bytes = bucket_cap_bytes
-        self.strategy, self.strategy_costs = choose_strategy(self.plan, strategy, latency_bytes, bucket_cap_bytes)
+        sharded = self.shared_shards is not None  # FSDP2 communicates the shared parameters
+        self.strategy, self.strategy_costs = choose_strategy(self.plan, strategy, latency_bytes, bucket_cap_bytes,
+                                                             shard_shared=sharded)
         self.counter = CommCounter()
-        self.buckets = build_buckets(self.plan, self.pieces, self.strategy, bucket_cap_bytes)
+        self.buckets = build_buckets(self.plan, communicated_pieces(self.plan, sharded), self.strategy,
+                                     bucket_cap_bytes)
         owner_sets = [b.owners for b in self.buckets]  # the groups averaging uses; the refresh uses the world
         self._comm = SimulatedCommunicator(self.world_size, self.rank, self.counter) if self.simulated else \
             Communicator(owner_sets, self.world_size, self.rank, self.process_group, self.counter, timeout)
@@ -261,7 +273,12 @@ class SubnetDataParallel(nn.Module):
             optimizer.step()
         """
         self._check_open("no_sync")
-        return self._averager.no_sync()
+        if self.shared_shards is None:
+            return self._averager.no_sync()
+        stack = contextlib.ExitStack()
+        stack.enter_context(self._averager.no_sync())
+        stack.enter_context(self.shared_shards.no_sync())
+        return stack
 
     def parameters(self, recurse: bool = True):
         """What the optimizer must update: this rank's owned (and shared) parameters."""
@@ -281,7 +298,9 @@ class SubnetDataParallel(nn.Module):
         """This rank's values in the original names and shapes, NaN where it holds nothing."""
         self._check_open("local_full_state_dict")
         if self.regime == "backward":
-            return with_aliases(self.plan, {n: self.value_of(n).detach().clone() for n in self.plan.tensor_shapes})
+            own = assemble(self.layout, reduce=False) if self.shared_shards is not None else {}  # shard rows
+            return with_aliases(self.plan, {n: own[n] if n in self.layout.sharded else self.value_of(n).detach().clone()
+                                            for n in self.plan.tensor_shapes})
         return with_aliases(self.plan, assemble(self.layout, reduce=False))
 
     def load_full_state_dict(self, state_dict: dict) -> None:
@@ -365,7 +384,7 @@ class SubnetDataParallel(nn.Module):
         self._check_open("comm_stats")
         return reports.comm_stats(self.counter, self.plan, self.rank, self.strategy, self.strategy_costs,
                                   self.regime, self.bucket_cap_bytes, self._averager,
-                                  self.direct_gradient_runs, self.simulated)
+                                  self.direct_gradient_runs, self.simulated, self.shared_shards is not None)
 
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict:
         """Bytes this rank holds: parameters, gradients, optimizer state, buffers.
@@ -377,15 +396,17 @@ class SubnetDataParallel(nn.Module):
         overlap by `gradients_in_buffers`."""
         self._check_open("memory_report")
         return reports.memory_report(self.module, self.layout.local_tensors(), self._averager, self.device,
-                                     optimizer)
+                                     optimizer, self.shared_shards)
 
     def predicted_model_state_bytes(self, optimizer_state_per_param: float = 2.0) -> float:
         """Plan's prediction of parameters + gradients + optimizer state (Adam: 2 x params)."""
-        return reports.predicted_model_state_bytes(self.plan, self.rank, self.regime, optimizer_state_per_param)
+        return reports.predicted_model_state_bytes(self.plan, self.rank, self.regime, optimizer_state_per_param,
+                                                   self.shared_shards is not None)
 
     def extra_repr(self) -> str:
         return (f"regime={self.regime!r}, level={self.plan.level!r}, rank={self.rank}/{self.world_size}, "
-                f"coverage={self.plan.coverage}, sync_every={self.sync_every}, strategy={self.strategy!r}")
+                f"coverage={self.plan.coverage}, sync_every={self.sync_every}, strategy={self.strategy!r}, "
+                f"shard_shared={self.shared_shards is not None}")
 
     def close(self) -> None:
         """Give the wrapped model back as it was before wrapping, holding the trained values.
@@ -396,6 +417,9 @@ class SubnetDataParallel(nn.Module):
         the assembled full state is loaded into the model. The engine refuses further use.
         """
         self._check_open("close")
+        if self.shared_shards is not None:
+            raise ValueError("close() cannot give back a model whose shared parameters FSDP2 sharded "
+                             "(shard_shared=True); use full_model() or full_state_dict() for the trained model")
         full = self.full_state_dict()
         for h in self._hooks:
             h.remove()

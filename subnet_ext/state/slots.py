@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops import reference
-from ..planning.pieces import Piece, full_rectangle
+from ..planning.pieces import Piece
 
 Rect = tuple  # (row_begin, row_end, col_begin, col_end)
 
@@ -52,6 +52,18 @@ class Slot:
         return as_2d(self.tensor)[r0:r1, c0:c1].detach().clone()
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a sharded shared parameter or its optimizer state),
+    or `t` itself: what slots read and write."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def writes(slot: Slot, layout) -> bool:
+    """True when this rank writes the slot into a full-coordinate result: the piece's
+    leader, or every rank for its own shard of a sharded parameter."""
+    return slot.piece.leader == layout.rank or layout.is_sharded(slot.piece)
+
+
 def piece_key(piece: Piece) -> str:
     """A name for a piece that is unique within one plan: 'blocks.0.fc1.weight|0:32:16'."""
     return f"{piece.name}|{piece.dim}:{piece.start}:{piece.length}"
@@ -63,7 +75,7 @@ def model_slots(layout) -> list[Slot]:
     out = []
     for p in layout.local_start:
         t, local = layout.resolve_value(p)
-        out.append(Slot(p, t, local, full_rectangle(layout.plan, p)))
+        out.append(Slot(p, t, local, layout.held_rectangle(p)))
     return out
 
 
@@ -77,7 +89,7 @@ def optimizer_slots(layout, optimizer) -> list[Slot]:
             continue
         param, local = layout.optimizer_param(p)
         if id(param) in in_optimizer:
-            out.append(Slot(p, param, local, full_rectangle(layout.plan, p), param))
+            out.append(Slot(p, param, local, layout.held_rectangle(p), param))
     return out
 
 

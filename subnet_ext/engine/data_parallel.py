@@ -45,53 +45,10 @@ from ..state.aliases import retie, with_aliases, without_aliases
 from ..state.assembly import assemble, load_pieces
 from ..state.layout import RankLayout
 from .restore import restore_structure
-from .sharding import SharedShards, check_shard_shared
+from .setup import REGIMES, SCALES, check_arguments, meta_skeleton, weak_call, world_and_rank  # noqa: F401
+from .sharding import SharedShards
 from .surgery import attach_direct_gradients, materialise_forward, prepare_backward
 
-REGIMES = ("forward", "backward")
-SCALES = ("none", "inverse")
-
-
-def _meta_skeleton(model: nn.Module) -> nn.Module:
-    """A copy of the model whose parameters and persistent buffers live on the meta device
-    (no memory); non-persistent buffers (e.g. rotary tables) are real copies."""
-    memo = {}
-    for p in model.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-    for m in model.modules():
-        for n, b in m._buffers.items():
-            if b is not None and n not in m._non_persistent_buffers_set:
-                memo[id(b)] = torch.empty_like(b, device="meta")
-    return copy.deepcopy(model, memo)
-
-
-def _world_and_rank(plan: SubnetPlan, process_group, simulate_rank) -> tuple[int, int]:
-    """(world size, rank) this engine runs as: the simulated rank, the group's, or (1, 0)."""
-    if simulate_rank is not None:
-        if process_group is not None:
-            raise ValueError("simulate_rank runs one rank alone; it takes no process_group")
-        if not isinstance(simulate_rank, int) or isinstance(simulate_rank, bool) or \
-                not 0 <= simulate_rank < plan.world_size:
-            raise ValueError(f"simulate_rank must be a rank of the plan's world size {plan.world_size}, "
-                             f"got {simulate_rank!r}")
-        return plan.world_size, simulate_rank
-    if dist.is_initialized():
-        return dist.get_world_size(process_group), dist.get_rank(process_group)
-    if process_group is not None:
-        raise ValueError("a process_group was given but torch.distributed is not initialised")
-    return 1, 0
-
-
-def _weak_call(engine_ref, fn):
-    """A hook calling fn(engine, *args) while the engine lives, and nothing after."""
-
-    def hook(*args):
-        engine = engine_ref()
-        if engine is not None:
-            return fn(engine, *args)
-        return None
-
-    return hook
 
 
 class SubnetDataParallel(nn.Module):
@@ -129,23 +86,9 @@ class SubnetDataParallel(nn.Module):
                  overlap: bool = True, simulate_rank: int | None = None, timeout: float | None = None,
                  shard_shared: bool = False):
         super().__init__()
-        if not isinstance(plan, SubnetPlan):
-            raise ValueError(f"plan must be a SubnetPlan, got {type(plan).__name__}")
-        if regime not in REGIMES:
-            raise ValueError(f"regime must be 'forward' or 'backward', got {regime!r}")
-        if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
-            raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
-        if scale not in SCALES:
-            raise ValueError(f"scale must be 'none' or 'inverse', got {scale!r}")
-        if scale == "inverse" and (plan.level != "neuron" or regime != "forward"):
-            raise ValueError(f"scale='inverse' applies to the neuron level in the forward regime; this plan is "
-                             f"level={plan.level!r} and regime={regime!r}")
-        if not (isinstance(bucket_cap_mb, (int, float)) and 0 < bucket_cap_mb < float("inf")):
-            raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
+        check_arguments(plan, regime, sync_every, scale, bucket_cap_mb, shard_shared, simulate_rank is not None)
         self.simulated = simulate_rank is not None
-        if shard_shared:
-            check_shard_shared(self.simulated, sync_every)
-        self.world_size, self.rank = _world_and_rank(plan, process_group, simulate_rank)
+        self.world_size, self.rank = world_and_rank(plan, process_group, simulate_rank)
         if plan.world_size != self.world_size:
             raise ValueError(f"the plan was made for world size {plan.world_size}, but the process group has "
                              f"{self.world_size} ranks; make the plan with world_size={self.world_size}")
@@ -160,7 +103,7 @@ class SubnetDataParallel(nn.Module):
         first = next(iter(model.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
         self._sync_initial_state(model)
-        self.__dict__["_skeleton"] = _meta_skeleton(model)  # not a submodule: no state of its own
+        self.__dict__["_skeleton"] = meta_skeleton(model)  # not a submodule: no state of its own
 
         pieces = global_pieces(plan)
         if regime == "forward":
@@ -182,18 +125,18 @@ class SubnetDataParallel(nn.Module):
         if regime == "backward" and sync_every == 1:
             self.direct_gradient_runs = attach_direct_gradients(
                 model, self.layout.piece_params, self._averager.direct_gradient_view,
-                _weak_call(weakref.ref(self), lambda engine, piece: engine._averager.on_grad_ready((piece,))))
+                weak_call(weakref.ref(self), lambda engine, piece: engine._averager.on_grad_ready((piece,))))
         self.optimizer_steps = 0
         for p in self._trainable:
             self._hooks.append(p.register_post_accumulate_grad_hook(
-                _weak_call(weakref.ref(self), lambda engine, param: engine._averager.on_param_grad_ready(param))))
+                weak_call(weakref.ref(self), lambda engine, param: engine._averager.on_param_grad_ready(param))))
         # Hooks hold the engine weakly. The optimizer-hook registry is global, and a tensor's
         # hooks are kept from C++, where Python's garbage collector cannot see the cycle
         # parameter -> hook -> engine -> module -> parameter: strong references would keep
         # every engine, and the process groups it holds, alive until the interpreter shuts
         # down, when destroying a gloo group can abort the process.
         step_hook = register_optimizer_step_post_hook(
-            _weak_call(weakref.ref(self), SubnetDataParallel._on_optimizer_step))
+            weak_call(weakref.ref(self), SubnetDataParallel._on_optimizer_step))
         weakref.finalize(self, step_hook.remove)
         self._hooks.append(step_hook)
 

@@ -172,7 +172,7 @@ def grid(opts) -> list[Config]:
                         bucket_cap_mb=opts.bucket_cap_mb, device=opts.device)
             configs += [Config(method=m, **base) for m in ("ddp", "fsdp") if m in opts.methods]
             for level, regime in (opts.sdp_variants if "sdp" in opts.methods else ()):
-                for c in opts.coverages:
+                for c in (c for k, c in opts.coverages if k in (None, world)):
                     for shard in {"off": (False,), "also": (False, True), "only": (True,)}[opts.shard_shared]:
                         configs.append(Config(method="sdp", level=level, regime=regime, coverage=c,
                                               shard_shared=shard, **base))
@@ -305,7 +305,8 @@ def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="tiny,small,medium", help="llama presets, comma-separated")
     p.add_argument("--worlds", default="2,4", help="world sizes, comma-separated")
-    p.add_argument("--coverages", default="0.25,0.5,1.0")
+    p.add_argument("--coverages", default="0.25,0.5,1.0",
+                   help="SDP coverages, comma-separated; K:C runs coverage C at world size K only (e.g. 2:0.5,4:0.25)")
     p.add_argument("--steps", type=int, default=6, help="at least this many timed steps per configuration")
     p.add_argument("--min-seconds", type=float, default=3.0,
                    help="and at least this many seconds of timed steps (at most 60 steps)")
@@ -336,7 +337,8 @@ def parse(argv=None):
         p.error("--device cuda: no GPU is visible")
     opts.models = opts.models.split(",")
     opts.worlds = [int(k) for k in opts.worlds.split(",")]
-    opts.coverages = [float(c) for c in opts.coverages.split(",")]
+    opts.coverages = [(int(c.split(":")[0]), float(c.split(":")[1])) if ":" in c else (None, float(c))
+                      for c in opts.coverages.split(",")]
     return opts
 
 

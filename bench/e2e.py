@@ -289,14 +289,16 @@ def shard_targets(results, small_model: str) -> list[str]:
     shard4 = find(world=4, coverage=0.25, **sdp)
     if ddp4 and fsdp4 and shard4:
         m, t = shard4["model_state"] / ddp4["model_state"], shard4["step_s"] / fsdp4["step_s"]
+        f4 = fsdp4["model_state"] / ddp4["model_state"]
         out.append(f"- llama {small_model}, 4 ranks, sdp block forward c0.25 shard: model state {m:.3f}× DDP (target "
-                   f"≤ 0.28; FSDP2 {fsdp4['model_state'] / ddp4['model_state']:.3f}): {'PASS' if m <= 0.28 else 'FAIL'}; "
+                   f"≤ 0.28; FSDP2 {f4:.3f}): {'PASS' if m <= 0.28 else 'FAIL'}; "
                    f"step time {t:.3f}× FSDP2 (target ≤ 0.6): {'PASS' if t <= 0.6 else 'FAIL'}")
     for c, r in results:
         if c.shard_shared and "error" not in r:
             e = r["predicted_model_state"] / r["model_state"] - 1
-            out.append(f"- {c.model} K={c.world} {c.label}: subnet-plan's model state {_mib(r['predicted_model_state'])}"
-                       f" MiB vs measured {_mib(r['model_state'])} MiB ({100 * e:+.1f}%, target within 5%): "
+            out.append(f"- {c.model} K={c.world} {c.label}: subnet-plan's model state "
+                       f"{_mib(r['predicted_model_state'])} MiB vs measured {_mib(r['model_state'])} MiB "
+                       f"({100 * e:+.1f}%, target within 5%): "
                        f"{'PASS' if abs(e) <= 0.05 else 'FAIL'}")
     return ["", "Targets (issue 16, sharded shared parameters, CPU):", *out] if out else []
 

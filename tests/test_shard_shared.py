@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import subnet_ext as sx
 from subnet_ext.state.checkpoint import load_subnet_checkpoint, save_subnet_checkpoint
 from subnet_ext.testing import run_distributed
-from test_tied_weights import LR, STEPS, TIED, layer_owners, lm_loss, reference, tied_llama, tokens
+from test_tied_weights import LR, STEPS, TIED, _Skip, layer_owners, lm_loss, reference, tied_llama, tokens
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -121,9 +121,28 @@ def _owner_mean_worker(rank, world, folder):
                 want = ref_model.eval()(ids)
             # floats only: tensors in the result queue race with the worker's exit
             results["eval_full_diff"] = (outputs["full"] - want).abs().max().item()
-            results["ensemble_shape"] = tuple(outputs["ensemble"].shape) == tuple(want.shape)
+            ensemble = _ensemble_reference(ref_model, plan, world, ids)
+            results["ensemble_diff"] = (outputs["ensemble"] - ensemble).abs().max().item()
+            sdp.verify_consistency()  # units' owners agree; the shards have one holder each
+            local = sdp.local_full_state_dict()
+            results["local_rows"] = {n: (~torch.isnan(local[n].reshape(local[n].shape[0], -1)[:, 0])).nonzero()
+                                     .flatten().tolist() for n in sdp.layout.sharded}
+            results["local_match"] = all(torch.equal(local[n][r], full[n][r]) for n, r in results["local_rows"].items())
             save_subnet_checkpoint(folder, 3, sdp, opt)
     return results
+
+
+def _ensemble_reference(ref_model, plan, world, ids):
+    """Mean over ranks of the reference model with the layers rank q does not own skipped."""
+    outs = []
+    for q, ranks in [(q, layer_owners(plan, world)) for q in range(world)]:
+        m = copy.deepcopy(ref_model).eval()
+        for i, owners in ranks.items():
+            if q not in owners:
+                m.model.layers[i] = _Skip()
+        with torch.no_grad():
+            outs.append(m(ids).float())
+    return torch.stack(outs).mean(0)
 
 
 def _resume_worker(rank, world, folder, expected):
@@ -156,7 +175,12 @@ def test_coverage_half_owner_mean_memory_and_checkpoint(tmp_path):
             res[False]["comm"]["bytes_per_step"] - res["shared_full_bytes"]  # their world bucket is gone
         fsdp = res[True]["comm"]["fsdp"]
         assert fsdp["collectives"] == 3 and fsdp["bytes"] == 3 * res["shared_full_bytes"]
-        assert res["eval_full_diff"] < 1e-5 and res["ensemble_shape"], res["eval_full_diff"]
+        assert res["eval_full_diff"] < 1e-5 and res["ensemble_diff"] < 1e-5, res["ensemble_diff"]
+        # local_full_state_dict: this rank's shard rows (torch.chunk over dim 0), NaN elsewhere
+        for name, rows in res["local_rows"].items():
+            chunk = -(-{"model.embed_tokens.weight": 64, "model.norm.weight": 32}[name] // world)
+            assert rows == list(range(rank * chunk, (rank + 1) * chunk)), (name, rows)
+        assert res["local_match"]
     model = tied_llama()
     ref = reference(model, layer_owners(sx.plan_subnetworks(model, world, 0.5, "block"), world), world).state_dict()
     for diffs in run_distributed(_resume_worker, 2, str(tmp_path), ref, timeout=300):

@@ -16,6 +16,11 @@ regime, at those same synchronisation points (every step when sync_every=1), ref
 the copies of units this rank does not own; between them those copies keep their last
 refreshed values and the full forward uses them. All of these issue
 collectives in one global order, so they cannot deadlock.
+
+With shard_shared=True (sharding.py) the plan's shared parameters are DTensor shards
+managed by torch's FSDP2 (all-gathered for the forward and again for the backward,
+gradients reduce-scattered as the mean over the world, optimizer state sharded); the
+buckets then hold the units only. Not with simulate_rank, sync_every > 1 or close().
 """
 from __future__ import annotations
 

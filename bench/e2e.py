@@ -368,7 +368,7 @@ def main(argv=None) -> int:
         "Peak RSS growth: the worst rank's resident-memory high-water mark minus its resident memory before the "
         "model was built. Comm: bytes handed to collectives per step (DDP: counted in a comm hook; SDP: counted "
         "by its communicator; FSDP2: predicted from its fixed schedule; sdp-*-shard rows: SDP's counted bytes plus "
-        "FSDP2's 2 all-gathers + 1 reduce-scatter of the shared parameters, predicted from their sizes).",
+        "FSDP2's all-gather + reduce-scatter of the shared parameters, predicted from their sizes).",
         *([f"Device: {torch.cuda.get_device_name(0)}, ranks on GPU rank % {torch.cuda.device_count()}; the peak "
            "RSS growth column is the CUDA allocator's peak minus what was allocated before the model was built."]
           if opts.device == "cuda" else []), "",

@@ -68,7 +68,7 @@ def sample_input_for(model_name: str, model: nn.Module, seq_len: int = 64, data:
 
 def sharded_row(plan, regime: str, strategy: str) -> tuple:
     """(label, model state, ring bytes, collectives) of SDP with shard_shared: units as SDP,
-    shared / K x (params + grads + AdamW), FSDP2's 2 all-gathers + 1 reduce-scatter of the
+    shared / K x (params + grads + AdamW), FSDP2's all-gather + reduce-scatter of the
     shared part ((K-1)/K of the full buffer moved per rank each)."""
     k = plan.world_size
     state = max(predicted_sharded_model_state(plan, r, regime) for r in range(k))

@@ -207,7 +207,10 @@ class SubnetDataParallel(nn.Module):
     # ------------------------------------------------------------------ public API
     def forward(self, *args, **kwargs):
         self._check_open("forward")
-        return self.module(*args, **kwargs)
+        out = self.module(*args, **kwargs)
+        if self.shared_shards is not None and not torch.is_grad_enabled():
+            self.shared_shards.module.reshard()  # no backward will reshard the gathered shared parameters
+        return out
 
     def no_sync(self):
         """Gradient accumulation without communication, as torch DDP's `no_sync()`.
@@ -306,7 +309,7 @@ class SubnetDataParallel(nn.Module):
         out = {}
         try:
             if "ensemble" in modes:
-                y = self.module(*inputs).float()
+                y = self.forward(*inputs).float()
                 if self.world_size > 1 and not self.simulated:  # simulated: this rank's subnetwork alone
                     collectives.all_reduce(y, self.process_group, timeout=self.timeout)
                     y /= self.world_size

@@ -3,8 +3,9 @@
 After SDP's surgery, `fully_shard` is applied to the root module with every unit
 parameter in `ignored_params`, so FSDP2 manages exactly the shared parameters: they are
 DTensors sharded along dim 0 over the engine's group between uses, all-gathered before
-the forward (and again before the backward: `reshard_after_forward=True`, so they are
-full-size only transiently), and their gradients are reduce-scattered as the mean over
+the forward and kept full-size until the end of the backward (FSDP2's default for a root
+module, planning/sharding.RESHARD_AFTER_FORWARD; then resharded: full-size only
+transiently), and their gradients are reduce-scattered as the mean over
 the world (SDP's rule for shared parameters, c = K). The optimizer sees the DTensor
 shards, so their state is sharded too. SDP's buckets leave these parameters out
 (planning/sharding.py); units keep their owner averaging.
@@ -16,7 +17,7 @@ import contextlib
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..planning.sharding import sharded_names
+from ..planning.sharding import RESHARD_AFTER_FORWARD, sharded_names
 
 
 def check_shard_shared(simulated: bool, sync_every: int) -> None:
@@ -52,8 +53,9 @@ class SharedShards:
         ignored = {p for p in model.parameters() if id(p) not in shared_ids}
         group = process_group if process_group is not None else dist.group.WORLD
         self.mesh = DeviceMesh.from_group(group, device.type)
-        self.module = fully_shard(model, mesh=self.mesh, reshard_after_forward=True, ignored_params=ignored)
-        layout.mark_sharded(self.names)
+        self.module = fully_shard(model, mesh=self.mesh, reshard_after_forward=RESHARD_AFTER_FORWARD,
+                                  ignored_params=ignored)
+        layout.mark_sharded(self.names, self.module.reshard)
         self.layout = layout
 
     def parameters(self) -> list:

@@ -13,9 +13,17 @@ import math
 from .pieces import Piece, global_pieces, shard_rows
 from .plan import SubnetPlan
 
+# FSDP2's own default for a root module: the gathered shared parameters stay full-size from
+# the forward to the end of the backward (then resharded), so one all-gather per step, not
+# two. On llama small, 4 CPU ranks (bench/e2e.py, a loaded machine, one run each), the
+# sharded c0.25 step took 395 ms resharding after the forward and 345 ms without (the
+# unsharded SDP step: 300-335 ms); keeping them saves a second all-gather for the shared
+# parameters' bytes between forward and backward, which activations dwarf.
+RESHARD_AFTER_FORWARD = False
+
 FSDP_SOURCE = ("predicted from the shared parameters' sizes: FSDP2 issues these collectives itself (one "
-               "all-gather in the forward, one again in the backward since the parameters are resharded after "
-               "the forward, one reduce-scatter of the gradients), so they are not counted by SDP's counter; "
+               "all-gather before the forward, kept through the backward, and one reduce-scatter of the "
+               "gradients), so they are not counted by SDP's counter; "
                "tests/test_shard_shared.py checks them against a count of FSDP2's c10d calls")
 
 
@@ -56,7 +64,7 @@ def predicted_fsdp_comm(plan: SubnetPlan) -> dict:
     """Per optimizer step: FSDP2's bytes (output of each all-gather, input of the
     reduce-scatter: K x padded shard) and collectives, with where the numbers come from."""
     full = plan.world_size * padded_shard_bytes(plan)
-    gathers = 2 if sharded_names(plan) else 0
+    gathers = (1 if RESHARD_AFTER_FORWARD is False else 2) if sharded_names(plan) else 0
     return {"all_gather_bytes": int(gathers * full), "reduce_scatter_bytes": int(full if gathers else 0),
             "bytes": int((gathers + (1 if gathers else 0)) * full), "collectives": gathers + (1 if gathers else 0),
             "source": FSDP_SOURCE}

@@ -47,10 +47,12 @@ class RankLayout:
         self.local_start = local_starts(self.pieces, rank, compact=compact)
         self.integer_entries = self._integer_entries()
         self.sharded: set = set()  # state-dict names held as DTensor shards (FSDP2, shard_shared)
+        self._reshard = None
 
-    def mark_sharded(self, names) -> None:
-        """Record that these shared parameters are now DTensors sharded along dim 0 (FSDP2)."""
-        self.sharded = set(names)
+    def mark_sharded(self, names, reshard=None) -> None:
+        """Record that these shared parameters are now DTensors sharded along dim 0 (FSDP2).
+        `reshard()` puts the shards back in the module if a forward left them gathered."""
+        self.sharded, self._reshard = set(names), reshard
 
     def is_sharded(self, piece: Piece) -> bool:
         """True when `piece` is a shared parameter this rank holds only a dim-0 shard of."""
@@ -81,6 +83,8 @@ class RankLayout:
     def value_of(self, name: str) -> torch.Tensor:
         """The local tensor holding state-dict entry `name` (compact in the forward regime).
         Raises AttributeError/KeyError when this rank does not hold it (a skipped block)."""
+        if name in self.sharded and self._reshard is not None:
+            self._reshard()  # a forward without backward leaves the gathered tensors registered
         if name in self.value_refs:
             module, attr = self.value_refs[name]
             return getattr(module, attr)

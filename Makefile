@@ -3,10 +3,11 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
-DEPS := torch numpy ninja pybind11 setuptools wheel pytest hypothesis tqdm matplotlib scikit-learn
+# transformers + safetensors: the optional [hf] extra (--model hf:DIR), installed so CI tests it.
+DEPS := torch numpy ninja pybind11 setuptools wheel pytest hypothesis tqdm matplotlib scikit-learn transformers safetensors
 export MAX_JOBS ?= 2
 
-.PHONY: venv build test demo bench bench-e2e clean
+.PHONY: venv build test demo bench bench-e2e fuzz clean
 
 $(VENV)/.deps: Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -34,8 +35,10 @@ test: build
 	$(PY) -c "import subnet_ext, json; print(json.dumps(subnet_ext.build_info()))"
 	$(PY) -m pytest -q tests
 
+# 5 seeds x 5 variants x 400 steps: ~41 s per seed on 2 quiet cores, ~3.5 min in all.
+DEMO_SEEDS ?= 5
 demo: build
-	$(PY) -m subnet_ext.cli.train compare
+	$(PY) -m subnet_ext.cli.train compare --seeds $(DEMO_SEEDS)
 
 bench: build
 	bash bench/build.sh
@@ -43,6 +46,10 @@ bench: build
 
 bench-e2e: build
 	$(PY) bench/e2e.py
+
+# Long fuzzing run, outside CI: >= 10,000 examples per fuzzed surface; writes bench/results/fuzz.md.
+fuzz: build
+	SUBNET_EXT_FUZZ_EXAMPLES=$${SUBNET_EXT_FUZZ_EXAMPLES:-10000} $(PY) bench/fuzz.py
 
 clean:
 	rm -rf build bench/bin *.egg-info subnet_ext/_C*.so subnet_ext/_build_info.py

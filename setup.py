@@ -125,6 +125,8 @@ setup(
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.10",
     install_requires=["torch", "numpy", "tqdm", "matplotlib", "scikit-learn"],
+    # `--model hf:DIR` (subnet_ext/models/hf.py) imports transformers only when asked.
+    extras_require={"hf": ["transformers", "safetensors"]},
     entry_points={
         "console_scripts": [
             "subnet-train=subnet_ext.cli.train:main",

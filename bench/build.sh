@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-TORCH=$($PY -c "import torch, os; print(os.path.dirname(torch.__file__))")
+TORCH=${TORCH_DIR:-$($PY -c "import torch, os; print(os.path.dirname(torch.__file__))")}  # TORCH_DIR skips the import
 CXX=${CXX:-g++}
 FLAGS=(-O3 -std=c++20 -fopenmp -fPIC -DNDEBUG -Icsrc -Ibench -I"$TORCH/include" -I"$TORCH/include/torch/csrc/api/include")
 LIBS=(-L"$TORCH/lib" -Wl,-rpath,"$TORCH/lib" -Wl,--no-as-needed -ltorch -ltorch_cpu -lc10)
@@ -18,8 +18,27 @@ stale() {  # stale OUTPUT SOURCE...: OUTPUT is missing or older than a source or
   local out=$1; shift
   [[ -f $out ]] || return 0
   local s
-  for s in "$@" csrc/ops.h csrc/kernels/*.h bench/*.h; do [[ $s -nt $out ]] && return 0; done
+  for s in "$@" csrc/*.h csrc/cuda/*.cuh csrc/kernels/*.h bench/*.h; do [[ $s -nt $out ]] && return 0; done
   return 1
+}
+
+# Background jobs: each PID is waited for by itself, so that a failed compile or link
+# fails the script (a bare `wait` returns 0 whatever the jobs returned).
+pids=()
+spawn() {
+  "$@" &
+  pids+=($!)
+}
+wait_all() {
+  local pid failed=0
+  for pid in "${pids[@]}"; do
+    wait "$pid" || failed=1
+  done
+  pids=()
+  if ((failed)); then
+    echo "bench/build.sh: a compile or link step failed (see above)" >&2
+    exit 1
+  fi
 }
 
 # The library itself, linked directly (rpath: its folder). Its one Python symbol
@@ -37,10 +56,10 @@ LIBS+=("$LIBDIR/$(basename "$LIB")" -Wl,-rpath,"$LIBDIR" -Wl,--allow-shlib-undef
 for main in masked_linear_bench pack_segments_bench; do
   if stale bench/bin/$main bench/$main.cpp "${objs[@]}"; then
     echo "build bench/bin/$main"
-    "$CXX" "${FLAGS[@]}" bench/$main.cpp -o bench/bin/$main "${LIBS[@]}" &
+    spawn "$CXX" "${FLAGS[@]}" bench/$main.cpp -o bench/bin/$main "${LIBS[@]}"
   fi
 done
-wait
+wait_all
 
 # CUDA binaries: only when the installed subnet_ext was built with CUDA kernels.
 read -r WITH_CUDA CUDA_HOME ARCHS < <($PY -c "
@@ -54,7 +73,7 @@ CUDA_LIBS=(-ltorch_cuda -lc10_cuda -L"$CUDA_HOME/lib64" -Wl,-rpath,"$CUDA_HOME/l
 for main in masked_linear_cuda_bench pack_segments_cuda_bench; do
   if stale bench/bin/$main bench/$main.cpp "${objs[@]}"; then
     echo "build bench/bin/$main"
-    "$CXX" "${FLAGS[@]}" -I"$CUDA_HOME/include" bench/$main.cpp -o bench/bin/$main "${LIBS[@]}" "${CUDA_LIBS[@]}" &
+    spawn "$CXX" "${FLAGS[@]}" -I"$CUDA_HOME/include" bench/$main.cpp -o bench/bin/$main "${LIBS[@]}" "${CUDA_LIBS[@]}"
   fi
 done
-wait
+wait_all

@@ -40,15 +40,15 @@ int main() {
     Tensor gy = at::randn({B, out_idx.size(0)});
     Tensor y1, xk, wk, gx1, gw1, gb1;
     auto ours_fn = [&] {
-      std::tie(y1, xk, wk) = forward_op().call(x, w, b, out_idx, in_idx, false, -1);
+      std::tie(y1, xk, wk) = forward_op().call(x, w, b, out_idx, in_idx, false, -1, kCheckIndices);
       std::tie(gx1, gw1, gb1) =
-          backward_op().call(gy, x, w, out_idx, in_idx, false, false, false, {true, true, true}, xk, wk);
+          backward_op().call(gy, x, w, out_idx, in_idx, false, false, false, {true, true, true}, xk, wk, kCheckIndices);
     };
     auto regather_fn = [&] {
-      std::tie(y1, xk, wk) = forward_op().call(x, w, b, out_idx, in_idx, false, -1);
+      std::tie(y1, xk, wk) = forward_op().call(x, w, b, out_idx, in_idx, false, -1, kCheckIndices);
       xk.reset(), wk.reset();
       std::tie(gx1, gw1, gb1) = backward_op().call(gy, x, w, out_idx, in_idx, false, false, false,
-                                                   {true, true, true}, std::nullopt, std::nullopt);
+                                                   {true, true, true}, std::nullopt, std::nullopt, kCheckIndices);
     };
     // Composed baselines: gather operands once (index_select), GEMMs, scatter grad_x back.
     Tensor y2, gx2, gw2, gb2;

@@ -15,12 +15,16 @@ namespace bench {
 using OptTensor = std::optional<at::Tensor>;
 using Triple = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 
+// The benchmarks call the ops as the engine does: check_indices=false (indices validated
+// once when they were made), so no index is copied to the host per call.
+constexpr bool kCheckIndices = false;
+
 // subnet_ext::masked_linear_forward: (y, x_kept, weight_block).
 inline const auto& forward_op() {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("subnet_ext::masked_linear_forward", "")
                        .typed<Triple(const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&,
-                                     const OptTensor&, bool, int64_t)>();
+                                     const OptTensor&, bool, int64_t, bool)>();
   return op;
 }
 
@@ -30,7 +34,7 @@ inline const auto& backward_op() {
                        .findSchemaOrThrow("subnet_ext::masked_linear_backward", "")
                        .typed<Triple(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
                                      const OptTensor&, bool, bool, bool, std::array<bool, 3>, const OptTensor&,
-                                     const OptTensor&)>();
+                                     const OptTensor&, bool)>();
   return op;
 }
 

@@ -14,7 +14,11 @@
 
 using at::Tensor;
 
-static bool run(at::ScalarType dtype, const char* name) {
+// Pack copies bits: the packed buffer must equal the slices exactly.
+constexpr double kMaxAbsErr = 0.0;
+
+// Returns whether the performance target is met; clears `accurate` on a wrong result.
+static bool run(at::ScalarType dtype, const char* name, bool& accurate) {
   const int64_t total_bytes = int64_t(1) << 30;
   const int64_t elem = c10::elementSize(dtype);
   const int64_t total = total_bytes / 4;  // elements: 1 GiB of fp32, 512 MiB of bf16
@@ -67,6 +71,10 @@ static bool run(at::ScalarType dtype, const char* name) {
   const double ours = t[0], copy = t[1], composed = t[2];
   pack.call(tensors, table, buffer);
   const double err = (buffer - at::cat(slices())).abs().max().item<double>();
+  if (!(err <= kMaxAbsErr)) {  // also catches NaN
+    std::fprintf(stderr, "pack_segments_cuda_bench: %s: max abs err %.3e exceeds %.1e\n", name, err, kMaxAbsErr);
+    accurate = false;
+  }
   const double bytes = 4.0 * offset * elem;
   std::printf("| %s | %d | %.0f | %.0f | %.3f | %.1f | %.3f | %.1f | %.1f%% | %.3f | %.2fx | %.1e |\n", name, n,
               double(total * elem) / (1 << 20), double(offset * elem) / (1 << 20), ours, bytes / ours / 1e6, copy,
@@ -83,10 +91,13 @@ int main() {
   std::printf("| dtype | tensors | MiB total | MiB owned | ours ms | GB/s | copy_ ms | copy_ GB/s | %% of copy_ "
               "| composed ms | speedup vs composed | max abs err |\n");
   std::printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
-  const bool fp32 = run(at::kFloat, "fp32");
-  const bool bf16 = run(at::kBFloat16, "bf16");
+  bool accurate = true;
+  const bool fp32 = run(at::kFloat, "fp32", accurate);
+  const bool bf16 = run(at::kBFloat16, "bf16", accurate);
   std::printf("\nTargets (GPU):\n- fp32 pack + unpack >= 75%% of copy_ bandwidth: %s\n- bf16: %s\n",
               bench::verdict(fp32), bench::verdict(bf16));
   std::printf("\n(Medians of 21 interleaved rounds of CUDA-event times after 3 warm-ups.)\n");
+  // 3: wrong results (whatever the timings); 1: a performance target missed.
+  if (!accurate) return 3;
   return fp32 && bf16 ? 0 : 1;
 }

@@ -11,7 +11,10 @@ namespace subnet_ext {
 constexpr int64_t kNoBound = std::numeric_limits<int64_t>::max();
 
 // idx must be a 1-D int64 tensor on `device`, with distinct values in [0, bound).
-// On CUDA this synchronises once (values are read back to report them).
-void check_index(const char* op, const char* name, const at::Tensor& idx, int64_t bound, c10::Device device);
+// check_values=false checks dtype, dim and device only (no device sync): the caller
+// guarantees the values. With check_values=true, on CUDA this synchronises once (the
+// values are read back to report them).
+void check_index(const char* op, const char* name, const at::Tensor& idx, int64_t bound, c10::Device device,
+                 bool check_values = true);
 
 }  // namespace subnet_ext

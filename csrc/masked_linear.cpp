@@ -18,6 +18,14 @@
 namespace subnet_ext {
 namespace {
 
+// [*, width] viewed as [N, width], N the product of the leading sizes: reshape({-1, width})
+// cannot infer N when width is 0 (no kept outputs, or an empty input).
+at::Tensor as_rows(const at::Tensor& t, int64_t width) {
+  int64_t rows = 1;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) rows *= t.size(d);
+  return t.reshape({rows, width});
+}
+
 struct Shapes {
   int64_t kept_out;  // |R|
   int64_t kept_in;   // |S|
@@ -26,9 +34,13 @@ struct Shapes {
 
 at::Tensor defined_or_empty(const OptTensor& t) { return t.has_value() ? *t : at::Tensor(); }
 
+// Every device's kernels read an index densely through its data pointer: the one place
+// that makes it so is here, at the top of each op body (a no-op for a dense index).
+OptTensor dense_index(const OptTensor& idx) { return idx.has_value() ? OptTensor(idx->contiguous()) : idx; }
+
 // Checks the operands shared by forward and backward and returns the block sizes.
 Shapes check_operands(const char* op, const at::Tensor& x, const at::Tensor& weight, const OptTensor& out_idx,
-                      const OptTensor& in_idx, bool compact_weight, int64_t out_bound) {
+                      const OptTensor& in_idx, bool compact_weight, int64_t out_bound, bool check_values) {
   TORCH_CHECK_VALUE(weight.dim() == 2, op, ": weight must be 2-D [out, in], got shape ", weight.sizes());
   TORCH_CHECK_VALUE(x.dim() >= 1, op, ": x must have at least one dimension, got a scalar");
   TORCH_CHECK_VALUE(x.scalar_type() == weight.scalar_type(), op, ": x is ", x.scalar_type(), " but weight is ",
@@ -40,7 +52,7 @@ Shapes check_operands(const char* op, const at::Tensor& x, const at::Tensor& wei
   const int64_t x_width = x.size(-1);
   Shapes s{weight.size(0), weight.size(1), x_width};
   if (in_idx.has_value()) {
-    check_index(op, "in_idx", *in_idx, x_width, weight.device());
+    check_index(op, "in_idx", *in_idx, x_width, weight.device(), check_values);
     if (compact_weight) {
       TORCH_CHECK_VALUE(in_idx->numel() == weight.size(1), op, ": compact weight has ", weight.size(1),
                         " input columns but in_idx has ", in_idx->numel(), " entries");
@@ -56,7 +68,7 @@ Shapes check_operands(const char* op, const at::Tensor& x, const at::Tensor& wei
   if (out_idx.has_value()) {
     // Full weights: rows of W; and when the output is scattered, columns of the output too.
     const int64_t bound = compact_weight ? out_bound : std::min(weight.size(0), out_bound);
-    check_index(op, "out_idx", *out_idx, bound, weight.device());
+    check_index(op, "out_idx", *out_idx, bound, weight.device(), check_values);
     if (compact_weight) {
       TORCH_CHECK_VALUE(out_idx->numel() == weight.size(0), op, ": compact weight has ", weight.size(0),
                         " output rows but out_idx has ", out_idx->numel(), " entries");
@@ -85,8 +97,10 @@ at::Tensor gather_columns(const at::Tensor& t2d, const OptTensor& cols, const In
   return dst;
 }
 
-// [B, n] placed at columns `cols` of a zero [B, width] tensor (the kernel writes the zeros
-// row by row while the row is in cache, instead of a separate zero-fill pass).
+// [B, n] placed at columns `cols` of a zero [B, width] tensor. dst starts uninitialised:
+// each device's scatter_columns writes every element once, zeros included (CPU: row by row
+// while the row is in cache; CUDA: one pass through a per-column inverse map), so there
+// is no separate zero-fill pass on either device.
 at::Tensor scatter_columns(const at::Tensor& t2d, const OptTensor& cols, int64_t width, const IndexKernels& k) {
   if (!cols.has_value()) return t2d;
   at::Tensor dst = at::empty({t2d.size(0), width}, t2d.options());
@@ -117,12 +131,14 @@ std::vector<int64_t> with_last(c10::IntArrayRef sizes, int64_t last) {
 }  // namespace
 
 at::Tensor masked_linear_impl(const char* op, const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
-                              const OptTensor& out_idx, const OptTensor& in_idx, bool compact_weight,
-                              int64_t scatter_width, const IndexKernels& k, GatheredOperands* gathered) {
+                              const OptTensor& out_idx_arg, const OptTensor& in_idx_arg, bool compact_weight,
+                              int64_t scatter_width, bool check_indices, const IndexKernels& k,
+                              GatheredOperands* gathered) {
+  const OptTensor out_idx = dense_index(out_idx_arg), in_idx = dense_index(in_idx_arg);
   TORCH_CHECK_VALUE(scatter_width >= -1, op, ": scatter_width must be -1 (compact output) or a width, got ",
                     scatter_width);
   const int64_t out_bound = scatter_width >= 0 ? scatter_width : kNoBound;
-  const Shapes s = check_operands(op, x, weight, out_idx, in_idx, compact_weight, out_bound);
+  const Shapes s = check_operands(op, x, weight, out_idx, in_idx, compact_weight, out_bound, check_indices);
   if (scatter_width >= 0 && !out_idx.has_value()) {
     TORCH_CHECK_VALUE(scatter_width == s.kept_out, op, ": scatter_width ", scatter_width,
                       " without out_idx must equal the number of outputs ", s.kept_out);
@@ -137,7 +153,7 @@ at::Tensor masked_linear_impl(const char* op, const at::Tensor& x, const at::Ten
                       weight.scalar_type(), " on ", weight.device());
     bias_block = (!compact_weight && out_idx.has_value()) ? at::index_select(*bias, 0, *out_idx) : *bias;
   }
-  const at::Tensor x2 = x.reshape({-1, s.x_width});
+  const at::Tensor x2 = as_rows(x, s.x_width);
   const at::Tensor xs = gather_columns(x2, in_idx, k);
   const at::Tensor w = gather_weight_block(weight, out_idx, in_idx, compact_weight, s, k);
   const at::Tensor y = bias_block.defined() ? at::addmm(bias_block, xs, w.t()) : at::mm(xs, w.t());
@@ -151,21 +167,25 @@ at::Tensor masked_linear_impl(const char* op, const at::Tensor& x, const at::Ten
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_linear_forward_impl(
     const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias, const OptTensor& out_idx,
-    const OptTensor& in_idx, bool compact_weight, int64_t scatter_width, const IndexKernels& k) {
+    const OptTensor& in_idx, bool compact_weight, int64_t scatter_width, bool check_indices,
+    const IndexKernels& k) {
   GatheredOperands gathered;
   at::Tensor y = masked_linear_impl("subnet_ext.masked_linear_forward", x, weight, bias, out_idx, in_idx,
-                                    compact_weight, scatter_width, k, &gathered);
+                                    compact_weight, scatter_width, check_indices, k, &gathered);
   const auto or_empty = [&](const at::Tensor& t) { return t.defined() ? t : at::empty({0}, x.options()); };
   return {y, or_empty(gathered.x_kept), or_empty(gathered.weight_block)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_linear_backward_impl(
-    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight, const OptTensor& out_idx,
-    const OptTensor& in_idx, bool compact_weight, bool grad_out_full, bool dense_grad_input,
-    std::array<bool, 3> mask, const OptTensor& x_kept, const OptTensor& weight_block, const IndexKernels& k) {
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight, const OptTensor& out_idx_arg,
+    const OptTensor& in_idx_arg, bool compact_weight, bool grad_out_full, bool dense_grad_input,
+    std::array<bool, 3> mask, const OptTensor& x_kept, const OptTensor& weight_block, bool check_indices,
+    const IndexKernels& k) {
   const char* op = "subnet_ext.masked_linear_backward";
+  const OptTensor out_idx = dense_index(out_idx_arg), in_idx = dense_index(in_idx_arg);
   const int64_t g_width = grad_out.dim() >= 1 ? grad_out.size(-1) : 0;
-  const Shapes s = check_operands(op, x, weight, out_idx, in_idx, compact_weight, grad_out_full ? g_width : kNoBound);
+  const Shapes s = check_operands(op, x, weight, out_idx, in_idx, compact_weight,
+                                  grad_out_full ? g_width : kNoBound, check_indices);
   TORCH_CHECK_VALUE(grad_out.scalar_type() == x.scalar_type() && grad_out.device() == x.device(), op,
                     ": grad_out is ", grad_out.scalar_type(), " on ", grad_out.device(), " but x is ",
                     x.scalar_type(), " on ", x.device());
@@ -179,8 +199,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_linear_backward_impl(
     TORCH_CHECK_VALUE(grad_out_full || !out_idx.has_value(), op,
                       ": dense_grad_input needs the full grad_out (grad_out_full=True)");
   }
-  const at::Tensor g2 = grad_out.reshape({-1, g_width});
-  const at::Tensor x2 = x.reshape({-1, s.x_width});
+  const at::Tensor g2 = as_rows(grad_out, g_width);
+  const at::Tensor x2 = as_rows(x, s.x_width);
   const at::Tensor g_kept = grad_out_full ? gather_columns(g2, out_idx, k) : g2;
   const bool saved_x = use_saved(op, "x_kept", x_kept, x2.size(0), s.kept_in, x);
   const bool saved_w = use_saved(op, "weight_block", weight_block, s.kept_out, s.kept_in, x);
@@ -204,9 +224,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_linear_backward_impl(
 }
 
 void masked_linear_grad_weight_impl(const at::Tensor& out, const at::Tensor& grad_out, const at::Tensor& x,
-                                    const OptTensor& out_idx, const OptTensor& in_idx, bool grad_out_full,
-                                    bool accumulate, const IndexKernels& k) {
+                                    const OptTensor& out_idx_arg, const OptTensor& in_idx_arg, bool grad_out_full,
+                                    bool accumulate, bool check_indices, const IndexKernels& k) {
   const char* op = "subnet_ext.masked_linear_grad_weight_";
+  const OptTensor out_idx = dense_index(out_idx_arg), in_idx = dense_index(in_idx_arg);
   TORCH_CHECK_VALUE(x.dim() >= 1 && grad_out.dim() == x.dim(), op, ": grad_out has shape ", grad_out.sizes(),
                     " but x has shape ", x.sizes());
   TORCH_CHECK_VALUE(grad_out.scalar_type() == x.scalar_type() && out.scalar_type() == x.scalar_type(), op,
@@ -216,8 +237,10 @@ void masked_linear_grad_weight_impl(const at::Tensor& out, const at::Tensor& gra
                     out.device(), ", grad_out ", grad_out.device(), ", x ", x.device());
   const int64_t g_width = grad_out.size(-1);
   const int64_t x_width = x.size(-1);
-  if (out_idx.has_value()) check_index(op, "out_idx", *out_idx, grad_out_full ? g_width : kNoBound, x.device());
-  if (in_idx.has_value()) check_index(op, "in_idx", *in_idx, x_width, x.device());
+  if (out_idx.has_value()) {
+    check_index(op, "out_idx", *out_idx, grad_out_full ? g_width : kNoBound, x.device(), check_indices);
+  }
+  if (in_idx.has_value()) check_index(op, "in_idx", *in_idx, x_width, x.device(), check_indices);
   const int64_t kept_out = out_idx.has_value() ? out_idx->numel() : g_width;
   const int64_t kept_in = in_idx.has_value() ? in_idx->numel() : x_width;
   if (!grad_out_full && out_idx.has_value()) {
@@ -226,8 +249,8 @@ void masked_linear_grad_weight_impl(const at::Tensor& out, const at::Tensor& gra
   }
   TORCH_CHECK_VALUE(out.dim() == 2 && out.size(0) == kept_out && out.size(1) == kept_in, op,
                     ": out must have shape [", kept_out, ", ", kept_in, "], got ", out.sizes());
-  const at::Tensor g2 = grad_out.reshape({-1, g_width});
-  const at::Tensor x2 = x.reshape({-1, x_width});
+  const at::Tensor g2 = as_rows(grad_out, g_width);
+  const at::Tensor x2 = as_rows(x, x_width);
   TORCH_CHECK_VALUE(g2.size(0) == x2.size(0), op, ": grad_out has ", g2.size(0), " rows but x has ", x2.size(0));
   const at::Tensor g_kept = grad_out_full ? gather_columns(g2, out_idx, k) : g2;
   const at::Tensor xs = gather_columns(x2, in_idx, k);

@@ -16,7 +16,8 @@ namespace subnet_ext {
 
 using OptTensor = std::optional<at::Tensor>;
 
-// Gathers and scatters of the masked linear; src and dst are 2-D and contiguous.
+// Gathers and scatters of the masked linear; src and dst are 2-D and contiguous, indices
+// 1-D contiguous int64 on their device (the op bodies in masked_linear.cpp make them so).
 struct IndexKernels {
   // dst[r, c] = src[rows ? rows[r] : r, cols ? cols[c] : c]; rows/cols may be undefined.
   void (*gather)(const at::Tensor& src, const at::Tensor& rows, const at::Tensor& cols, const at::Tensor& dst);
@@ -31,28 +32,85 @@ struct GatheredOperands {
   at::Tensor weight_block;  // [|R|, |S|]
 };
 
+// check_indices: true validates the index values (in range, distinct; on CUDA one device
+// sync to read them back); false checks only dtype, dim and device, and the caller
+// guarantees the values are valid (the engine, whose plan validated them once). Invalid
+// values with check_indices=false are undefined behaviour (out-of-bounds reads/writes).
 at::Tensor masked_linear_impl(const char* op, const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
                               const OptTensor& out_idx, const OptTensor& in_idx, bool compact_weight,
-                              int64_t scatter_width, const IndexKernels& kernels,
+                              int64_t scatter_width, bool check_indices, const IndexKernels& kernels,
                               GatheredOperands* gathered = nullptr);
 
 // masked_linear_forward: (y, x_kept, weight_block), the last two an empty [0] tensor when not gathered.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_linear_forward_impl(
     const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias, const OptTensor& out_idx,
-    const OptTensor& in_idx, bool compact_weight, int64_t scatter_width, const IndexKernels& kernels);
+    const OptTensor& in_idx, bool compact_weight, int64_t scatter_width, bool check_indices,
+    const IndexKernels& kernels);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_linear_backward_impl(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight, const OptTensor& out_idx,
     const OptTensor& in_idx, bool compact_weight, bool grad_out_full, bool dense_grad_input,
-    std::array<bool, 3> output_mask, const OptTensor& x_kept, const OptTensor& weight_block,
+    std::array<bool, 3> output_mask, const OptTensor& x_kept, const OptTensor& weight_block, bool check_indices,
     const IndexKernels& kernels);
 
 void masked_linear_grad_weight_impl(const at::Tensor& out, const at::Tensor& grad_out, const at::Tensor& x,
                                     const OptTensor& out_idx, const OptTensor& in_idx, bool grad_out_full,
-                                    bool accumulate, const IndexKernels& kernels);
+                                    bool accumulate, bool check_indices, const IndexKernels& kernels);
 
-// Validated segment table of pack_segments / unpack_average_ (host side).
+// Validated segment table of pack_segments / unpack_average_ (host side). With scales
+// (unpack), also checks that no two rectangles share memory and none aliases the buffer.
+// Every call counts one build (segment_table_builds).
 std::vector<SegmentDesc> checked_segments(const char* op, at::TensorList tensors, const at::Tensor& segments,
                                           const at::Tensor& buffer, const at::Tensor* scales);
+
+// Number of segment tables validated so far in this process (for tests: the prepared path
+// must not validate again).
+int64_t segment_table_builds();
+
+// ---- prepared segment tables: validated once per layout, reused by every call ----
+//
+// prepare_segments returns (host_table, device_table). host_table (uint8 CPU) holds a
+// PreparedHeader, the validated SegmentDesc[segment_count] (scales inside) and one
+// PreparedTensor per tensor: the data pointer and 2-D shape it was validated for. The
+// table binds those pointers: the prepared ops check, on the host in O(#tensors) without a
+// device sync, that they are given the same tensors and buffer. device_table is the
+// device's own work table (CUDA: segment and chunk descriptors, uploaded once), or an
+// empty tensor where the device reads the host table (CPU).
+struct PreparedHeader {
+  int64_t magic;
+  int64_t segment_count;
+  int64_t tensor_count;
+  int64_t with_scales;   // validated for unpack_average_ too
+  int64_t dtype;         // c10::ScalarType of the buffer
+  int64_t buffer_numel;
+  uint64_t buffer_data;
+  int64_t device_bytes;  // numel of device_table
+  int64_t chunk_offset;  // CUDA: byte offset of the chunk descriptors in device_table
+  int64_t chunk_count;   // CUDA: blocks of the launch
+};
+
+struct PreparedTensor {
+  uint64_t data;
+  int64_t rows;
+  int64_t cols;
+};
+
+struct DeviceWork {  // what a device's prepare_segments adds to the host table
+  int64_t device_bytes = 0;
+  int64_t chunk_offset = 0;
+  int64_t chunk_count = 0;
+};
+
+at::Tensor prepared_host_table(at::TensorList tensors, const at::Tensor& buffer, const std::vector<SegmentDesc>& segs,
+                               bool with_scales, const DeviceWork& work);
+
+// The validated segments of a prepared table after checking that tensors, buffer and
+// device_table are the ones it was prepared for (else a ValueError naming what changed).
+struct PreparedView {
+  const PreparedHeader* header;
+  c10::ArrayRef<SegmentDesc> segments;
+};
+PreparedView checked_prepared_table(const char* op, at::TensorList tensors, const at::Tensor& host_table,
+                                    const at::Tensor& device_table, const at::Tensor& buffer, bool for_unpack);
 
 }  // namespace subnet_ext

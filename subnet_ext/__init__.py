@@ -10,6 +10,7 @@ from .ops.build_info import build_info
 from .comm.collectives import CollectiveError
 from .state.consistency import ConsistencyError
 from .engine import SubnetDataParallel
+from .engine.grad_scaler import GradScaler
 from .engine.guard import NonFiniteGuard, TooManySkippedSteps
 from .planning.plan import SubnetPlan, Unit, plan_subnetworks
 from .ops import (
@@ -25,6 +26,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "SubnetDataParallel",
+    "GradScaler",
     "NonFiniteGuard",
     "TooManySkippedSteps",
     "ConsistencyError",

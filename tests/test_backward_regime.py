@@ -93,7 +93,7 @@ def _local_sgd(rank, world):
     sdp, local, history, reference = _sgd_run(make_model, mlp_loss, 0.5, rank, world, 4, sync_every=2)
     names = param_names(reference)
     leaders = {p.owners[0] for p in sdp.pieces if len(p.owners) < world}  # one float32 broadcast each
-    return {"refresh": sdp.comm_stats()["by_kind"].get("refresh", (0, 0))[1], "leaders": len(leaders),
+    return {"refresh": sdp.comm_stats()["by_quantity"].get("refresh", (0, 0))[1], "leaders": len(leaders),
             "local_ref": [max_param_diff(local[s], history[s][rank], names) for s in range(4)],
             "stale_between_syncs": max_param_diff(local[0], history[0][1 - rank], names)}
 

@@ -7,7 +7,7 @@ counts.
 import pytest
 import torch
 
-from subnet_ext.cli import launch, train
+from subnet_ext.cli import launch, runner, train
 
 
 @pytest.fixture
@@ -77,7 +77,7 @@ def test_cli_refuses_cuda_with_too_many_ranks(gpus, capsys):
 def test_cli_auto_pins_gloo_on_cpu_before_spawning(gpus, monkeypatch, capsys):
     gpus(1)
     spawned = []
-    monkeypatch.setattr(train, "spawn_local", lambda fn, args, n: spawned.append((args.backend, args.device, n)))
+    monkeypatch.setattr(runner, "spawn_local", lambda fn, args, n: spawned.append((args.backend, args.device, n)))
     parser = train.build_parser()
     args = parser.parse_args(["--nproc", "2"])
     train.check_args(parser, args)

@@ -283,3 +283,258 @@ def test_index_on_wrong_device():
     x, w, b, oi, ii = operands("cuda", torch.float32, 0.5, compact=False)
     with pytest.raises(ValueError, match="in_idx is on cpu"):
         sx.masked_linear(x, w, b, oi, ii.cpu())
+
+
+# ---- strided (non-contiguous) index tensors: every op, every device ----
+
+
+def _strided(idx):
+    """The same values as idx, as a view with stride 2 (not contiguous)."""
+    wide = torch.full((2 * len(idx),), -7, dtype=idx.dtype, device=idx.device)
+    wide[::2] = idx
+    view = wide[::2]
+    assert not view.is_contiguous() or len(idx) <= 1
+    return view
+
+
+def test_strided_in_idx_reported_case():
+    """The reported case: x 5x20, w 8x20, in_idx = arange(20)[::2]."""
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(5, 20, generator=gen), torch.randn(8, 20, generator=gen), torch.randn(8, generator=gen)
+    idx = torch.arange(20)[::2]
+    torch.testing.assert_close(sx.masked_linear(x, w, b, None, idx), sx.masked_linear(x, w, b, None, idx.contiguous()))
+    torch.testing.assert_close(sx.masked_linear(x, w, b, None, idx), ref.masked_linear(x, w, b, None, idx))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("compact", [False, True])
+def test_strided_indices_on_every_op(device, compact):
+    x, w, b, oi, ii = operands(device, torch.float64, 0.5, compact, batch=(2, 3))
+    so, si = _strided(oi), _strided(ii)
+    for scatter in (None, OUT):
+        kw = dict(compact_weight=compact, scatter_width=scatter)
+        want = ref.masked_linear(x, w, b, oi, ii, **kw)
+        torch.testing.assert_close(sx.masked_linear(x, w, b, so, si, **kw), want)
+        y, x_kept, block = torch.ops.subnet_ext.masked_linear_forward(x, w, b, so, si, compact,
+                                                                      -1 if scatter is None else scatter)
+        ey, ex, eb = ref.masked_linear_forward(x, w, b, oi, ii, **kw)
+        torch.testing.assert_close(y, ey)
+        assert torch.equal(x_kept, ex) and torch.equal(block, eb)
+    dense_cases = (False,) if compact else (False, True)
+    for full_g in (False, True):
+        for dense in dense_cases:
+            if dense and not full_g:
+                continue
+            g = torch.randn(2, 3, OUT if full_g else len(oi), dtype=torch.float64, device=device)
+            kw = dict(compact_weight=compact, grad_out_full=full_g, dense_grad_input=dense)
+            got = sx.masked_linear_backward(g, x, w, so, si, **kw)
+            want = ref.masked_linear_backward(g, x, w, oi, ii, **kw)
+            for a, r in zip(got, want):
+                torch.testing.assert_close(a, r)
+            out = torch.zeros(len(oi), len(ii), dtype=torch.float64, device=device)
+            sx.masked_linear_grad_weight_(out, g, x, so, si, grad_out_full=full_g)
+            torch.testing.assert_close(out, want[1])
+    # autograd through the strided indices
+    args = [t.clone().requires_grad_() for t in (x, w, b)]
+    refs = [t.clone().requires_grad_() for t in (x, w, b)]
+    sx.masked_linear(*args, so, si, compact_weight=compact, scatter_width=OUT).square().sum().backward()
+    ref.masked_linear(*refs, oi, ii, compact_weight=compact, scatter_width=OUT).square().sum().backward()
+    for a, r in zip(args, refs):
+        torch.testing.assert_close(a.grad, r.grad)
+
+
+# ---- check_indices=False: the engine's no-validation (sync-free) path ----
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("compact", [False, True])
+def test_check_indices_false_gives_identical_results(device, compact):
+    x, w, b, oi, ii = operands(device, torch.float32, 0.5, compact, batch=(3, 4))
+    for scatter in (None, OUT):
+        kw = dict(compact_weight=compact, scatter_width=scatter)
+        assert torch.equal(sx.masked_linear(x, w, b, oi, ii, check_indices=False, **kw),
+                           sx.masked_linear(x, w, b, oi, ii, **kw))
+        args = [t.clone().requires_grad_() for t in (x, w, b)]
+        trusted = [t.clone().requires_grad_() for t in (x, w, b)]
+        sx.masked_linear(*args, oi, ii, **kw).square().sum().backward()
+        sx.masked_linear(*trusted, oi, ii, check_indices=False, **kw).square().sum().backward()
+        for a, t in zip(args, trusted):
+            assert torch.equal(a.grad, t.grad)
+    g = torch.randn(3, 4, len(oi), device=device)
+    for a, t in zip(sx.masked_linear_backward(g, x, w, oi, ii, compact_weight=compact),
+                    sx.masked_linear_backward(g, x, w, oi, ii, compact_weight=compact, check_indices=False)):
+        assert torch.equal(a, t)
+    out, trusted_out = torch.zeros(len(oi), len(ii), device=device), torch.zeros(len(oi), len(ii), device=device)
+    sx.masked_linear_grad_weight_(out, g, x, oi, ii)
+    sx.masked_linear_grad_weight_(trusted_out, g, x, oi, ii, check_indices=False)
+    assert torch.equal(out, trusted_out)
+
+
+def test_check_indices_true_still_rejects_bad_values_and_false_keeps_cheap_checks():
+    x, w, b, oi, ii = operands("cpu", torch.float32, 0.5, compact=False)
+    g = torch.randn(7, len(oi))
+    for bad, message in ((torch.tensor([0, OUT]), "out_idx has values in"),
+                         (torch.tensor([3, 3]), "holds the index 3 more than once")):
+        with pytest.raises(ValueError, match=message):
+            sx.masked_linear(x, w, b, bad, ii, check_indices=True)
+        with pytest.raises(ValueError, match=message):
+            torch.ops.subnet_ext.masked_linear_forward(x, w, b, bad, ii, False, -1, True)
+        with pytest.raises(ValueError, match=message):
+            sx.masked_linear_backward(g[:, : len(bad)], x, w, bad, ii, check_indices=True)
+        with pytest.raises(ValueError, match=message):
+            sx.masked_linear_grad_weight_(torch.zeros(len(bad), len(ii)), torch.randn(7, OUT), x, bad, ii,
+                                          grad_out_full=True, check_indices=True)
+    # dtype / dim checks stay on (they need no values)
+    with pytest.raises(ValueError, match="must be an int64 tensor"):
+        sx.masked_linear(x, w, b, oi, ii.int(), check_indices=False)
+    with pytest.raises(ValueError, match="must be 1-D"):
+        sx.masked_linear(x, w, b, oi[None], ii, check_indices=False)
+    with pytest.raises(ValueError, match="must be an int64 tensor"):
+        sx.masked_linear_backward(g, x, w, oi, ii.int(), check_indices=False)
+    with pytest.raises(ValueError, match="must be 1-D"):
+        sx.masked_linear_grad_weight_(torch.zeros(len(oi), len(ii)), g, x, oi, ii[None], check_indices=False)
+
+
+def test_check_indices_opcheck_cpu():
+    x, w, b, oi, ii = operands("cpu", torch.float32, 0.5, compact=False, batch=(4,))
+    args = (x.requires_grad_(), w.requires_grad_(), b.requires_grad_(), oi, ii, False, OUT, False)
+    torch.library.opcheck(torch.ops.subnet_ext.masked_linear.default, args)
+    torch.library.opcheck(torch.ops.subnet_ext.masked_linear_forward.default,
+                          tuple(a.detach().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point()
+                                else a for a in args))
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs a GPU and the CUDA kernels")
+@pytest.mark.parametrize("compact", [False, True])
+@pytest.mark.parametrize("scatter", [False, True])
+def test_check_indices_false_never_synchronises_cuda(compact, scatter):
+    """Forward + backward of a training step with check_indices=False: no device sync."""
+    x, w, b, oi, ii = operands("cuda", torch.float32, 0.5, compact, batch=(6, 5))
+    args = [t.clone().requires_grad_() for t in (x, w, b)]
+    kw = dict(compact_weight=compact, scatter_width=OUT if scatter else None)
+    g = torch.randn(6, 5, OUT if scatter else len(oi), device="cuda")
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = sx.masked_linear(*args, oi, ii, check_indices=False, **kw)
+        y.backward(g)
+        out = torch.empty(len(oi), len(ii), device="cuda")
+        sx.masked_linear_grad_weight_(out, g, x, oi, ii, grad_out_full=scatter,
+                                      check_indices=False)
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    refs = [t.clone().requires_grad_() for t in (x, w, b)]
+    ref.masked_linear(*refs, oi, ii, **kw).backward(g)
+    torch.testing.assert_close(y, ref.masked_linear(x, w, b, oi, ii, **kw))
+    for a, r in zip(args, refs):
+        torch.testing.assert_close(a.grad, r.grad)
+    torch.testing.assert_close(out, ref.masked_linear_backward(g, x, w, oi, ii, grad_out_full=scatter,
+                                                               compact_weight=compact)[1])
+
+
+# ---- CUDA gathers and scatters: many blocks, misaligned operands, side streams ----
+
+needs_cuda = pytest.mark.skipif("cuda" not in DEVICES, reason="needs a GPU and the CUDA kernels")
+
+
+def _check_gather_scatter_exact(x, w, b, oi, ii, width):
+    """Gather (x_kept), scatter (y at columns R, zeros elsewhere) and the backward's
+    scatter of grad_x, all against exact equalities or the reference."""
+    y_full, x_kept, block = torch.ops.subnet_ext.masked_linear_forward(x, w, b, oi, ii, False, width)
+    y_compact = sx.masked_linear(x, w, b, oi, ii)
+    assert torch.equal(x_kept, x.reshape(-1, x.shape[-1])[:, ii]), "gather of x"
+    assert torch.equal(block, w[oi][:, ii]), "gather of the weight block"
+    assert torch.equal(y_full[..., oi], y_compact), "kept columns of the scatter"
+    rest = torch.ones(width, dtype=torch.bool, device=x.device)
+    rest[oi] = False
+    assert (y_full[..., rest] == 0).all(), "zero columns of the scatter"
+    g = torch.randn(y_compact.shape, device=x.device).to(x.dtype)
+    gx, gw, gb = sx.masked_linear_backward(g, x, w, oi, ii)
+    keep_in = torch.zeros(x.shape[-1], dtype=torch.bool, device=x.device)
+    keep_in[ii] = True
+    assert (gx[..., ~keep_in] == 0).all(), "zero columns of grad_x"
+    exact = ref.masked_linear_backward(g.double(), x.double(), w.double(), oi, ii)
+    # Relative to the largest magnitude: GEMMs over 70000 rows may reduce in split-K
+    # pieces (bf16 ones possibly rounded), so near-zero elements carry absolute errors.
+    tol = {torch.float64: 1e-10, torch.float32: 1e-4}.get(x.dtype, 2e-2)
+    for name, a, e in zip(("grad_x", "grad_w", "grad_b"), (gx, gw, gb), exact):
+        err = (a.double() - e).abs().max().item()
+        assert err <= tol * max(e.abs().max().item(), 1.0), f"{name}: max error {err:.3e} ({x.dtype})"
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_cuda_many_blocks_grid_stride(dtype):
+    """70000 rows x 300 columns: more row blocks than one grid row, grid-stride loops."""
+    gen = torch.Generator().manual_seed(5)
+    n, width = 70000, 300
+    x = torch.randn(n, width, generator=gen).to("cuda", dtype)
+    w = torch.randn(width, width, generator=gen).to("cuda", dtype)
+    b = torch.randn(width, generator=gen).to("cuda", dtype)
+    oi = torch.randperm(width, generator=gen)[:151].cuda()
+    ii = torch.randperm(width, generator=gen)[:149].cuda()
+    _check_gather_scatter_exact(x, w, b, oi, ii, width)
+    # all columns kept and none: the inverse map's two extremes
+    _check_gather_scatter_exact(x, w, b, torch.randperm(width, generator=gen).cuda(), ii, width)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64])
+def test_cuda_misaligned_contiguous_operands(dtype):
+    """Operands that are contiguous slices of a flat buffer at an odd element offset."""
+    gen = torch.Generator().manual_seed(6)
+    n, out_f, in_f = 37, 45, 33
+    flat = torch.randn(1 + n * in_f + out_f * in_f + out_f, generator=gen).to("cuda", dtype)
+    x = flat[1 : 1 + n * in_f].view(n, in_f)
+    w = flat[1 + n * in_f : 1 + n * in_f + out_f * in_f].view(out_f, in_f)
+    b = flat[1 + n * in_f + out_f * in_f :]
+    assert x.is_contiguous() and x.data_ptr() % 16 != 0
+    oi = torch.randperm(out_f, generator=gen)[:20].cuda()
+    ii = torch.randperm(in_f, generator=gen)[:17].cuda()
+    _check_gather_scatter_exact(x, w, b, oi, ii, out_f)
+    out_flat = torch.full((3 + 20 * 17,), 5.0, device="cuda", dtype=dtype)
+    view = out_flat[3:].view(20, 17)
+    g = torch.randn(n, 20, generator=gen).to("cuda", dtype)
+    sx.masked_linear_grad_weight_(view, g, x, oi, ii)
+    torch.testing.assert_close(view.double(), g.double().t() @ x.double()[:, ii], rtol=2e-2, atol=2e-2)
+    assert (out_flat[:3] == 5).all()
+
+
+@needs_cuda
+def test_cuda_side_stream():
+    """Every launch goes to the current stream: results computed on a side stream are
+    complete once that stream is synchronised."""
+    gen = torch.Generator().manual_seed(7)
+    n, width = 4096, 300
+    x = torch.randn(n, width, generator=gen).cuda()
+    w = torch.randn(width, width, generator=gen).cuda()
+    b = torch.randn(width, generator=gen).cuda()
+    oi = torch.randperm(width, generator=gen)[:100].cuda()
+    ii = torch.randperm(width, generator=gen)[:120].cuda()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        y = sx.masked_linear(x, w, b, oi, ii, scatter_width=width, check_indices=False)
+        gx, gw, gb = sx.masked_linear_backward(y[:, oi].contiguous(), x, w, oi, ii, check_indices=False)
+    side.synchronize()
+    torch.testing.assert_close(y, ref.masked_linear(x, w, b, oi, ii, scatter_width=width), rtol=1e-4, atol=1e-4)
+    for a, e in zip((gx, gw, gb), ref.masked_linear_backward(y[:, oi].contiguous(), x, w, oi, ii)):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.skipif("cuda" not in DEVICES or torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_cuda_second_device():
+    """Operands on cuda:1 while cuda:0 is current: every launch on the operands' device."""
+    x, w, b, oi, ii = operands("cuda:1", torch.float32, 0.5, compact=False, batch=(300,))
+    args = [t.clone().requires_grad_() for t in (x, w, b)]
+    with torch.cuda.device(0):
+        y = sx.masked_linear(*args, oi, ii, scatter_width=OUT, check_indices=False)
+        y.square().sum().backward()
+    assert y.device == torch.device("cuda:1")
+    refs = [t.clone().requires_grad_() for t in (x, w, b)]
+    want = ref.masked_linear(*refs, oi, ii, scatter_width=OUT)
+    want.square().sum().backward()
+    torch.testing.assert_close(y, want)
+    for a, r in zip(args, refs):
+        torch.testing.assert_close(a.grad, r.grad)

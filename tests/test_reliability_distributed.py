@@ -116,6 +116,21 @@ def _consistency(rank, sdp):
     return out
 
 
+def local_state(sdp, opt):
+    """This rank's parameters (original names, NaN where not held) and a clone of every
+    optimizer state tensor (in the optimizer's parameter order)."""
+    params = {k: v.nan_to_num(7.0) for k, v in sdp.local_full_state_dict().items()}
+    state = [v.detach().clone() for p in sdp.parameters() for v in opt.state.get(p, {}).values() if torch.is_tensor(v)]
+    return params, state
+
+
+def same_state(a, b):
+    """(parameters identical, optimizer state identical) of two local_state snapshots."""
+    params = a[0].keys() == b[0].keys() and all(torch.equal(a[0][k], b[0][k]) for k in a[0])
+    state = len(a[1]) == len(b[1]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+    return params, state
+
+
 def _non_finite(rank, sdp, opt):
     out = {}
     guard = NonFiniteGuard(max_skipped=1)
@@ -123,17 +138,22 @@ def _non_finite(rank, sdp, opt):
     F.cross_entropy(sdp(x), y).backward()
     if rank == 1:  # after averaging: only rank 1 sees it
         next(p for p in sdp.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
-    before = sdp.local_full_state_dict()
+    before = local_state(sdp, opt)
     out["flag"] = sdp.gradients_finite()
+    # The step the training loop would take: skipped on every rank, so nothing may move.
     out["step"] = guard.should_step(sdp.parameters(), step=11)
+    if out["step"]:
+        opt.step()
     opt.zero_grad()
-    after = sdp.local_full_state_dict()
-    out["unchanged"] = all(torch.equal(before[k].nan_to_num(7.0), after[k].nan_to_num(7.0)) for k in before)
+    out["unchanged"] = same_state(before, local_state(sdp, opt))
     x, y = batch(rank, 11)
     F.cross_entropy(sdp(x), y).backward()
     out["clean_step"] = guard.should_step(sdp.parameters(), step=12)
-    opt.step()
+    if out["clean_step"]:
+        opt.step()
     opt.zero_grad()
+    # ... and a clean step does move both (else "unchanged" above would prove nothing).
+    out["changed"] = same_state(before, local_state(sdp, opt))
     sdp.verify_consistency()
     out["skipped"] = list(guard.skipped_steps)
     x, y = batch(rank, 12)
@@ -203,8 +223,9 @@ def test_verify_consistency_names_unit_and_ranks(results):
 def test_non_finite_gradient_on_one_rank_skips_everywhere(results):
     for rank, r in enumerate(results):
         assert r["flag"] is False and r["step"] is False, (rank, r)
-        assert r["unchanged"], rank
+        assert r["unchanged"] == (True, True), (rank, r["unchanged"])  # (parameters, optimizer state)
         assert r["clean_step"] is True
+        assert r["changed"] == (False, False), (rank, r["changed"])
         assert r["skipped"] == [11]
         assert r["abort"] is not None and "--max-skipped" in r["abort"] and "[11, 13]" in r["abort"]
 

@@ -31,17 +31,21 @@ def _ddp_worker(rank, world, level, regime, folder):
     sdp = sx.SubnetDataParallel(tied_llama(), plan, regime=regime, shard_shared=True)
     ddp = DDP(tied_llama())
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (sdp, ddp)]
+    norms = []
     for step in range(STEPS):
         for m, opt in zip((sdp, ddp), opts):
             if step == 1:  # no_sync: the accumulated sum is averaged by the next backward
                 with m.no_sync():
                     lm_loss(m, tokens(rank, 10 + step)).backward()
             lm_loss(m, tokens(rank, step)).backward()
+            if step == 2:  # clipping: the shards' norm counted once (each rank its rows)
+                norms.append(m.clip_grad_norm_(0.05) if m is sdp else torch.nn.utils.clip_grad_norm_(m.parameters(),
+                                                                                                    0.05))
             opt.step()
             opt.zero_grad()
     full = sdp.full_state_dict()
     out = {"diff": _max_diff(full, ddp.module.state_dict()), "tied": full[TIED[0]] is full[TIED[1]],
-           "sharded": sorted(sdp.layout.sharded)}
+           "sharded": sorted(sdp.layout.sharded), "norms": [float(n) for n in norms]}
     optim = sdp.full_optimizer_state_dict(opts[0])["state"]
     ddp_state = {n: opts[1].state[p] for n, p in ddp.module.named_parameters()}
     out["optim_diff"] = max((optim[n][k] - ddp_state[n][k]).abs().max().item()
@@ -88,6 +92,7 @@ def _count_fsdp_step(sdp, rank) -> dict:
 def test_coverage_one_equals_ddp(level, regime, tmp_path):
     for res in run_distributed(_ddp_worker, 2, level, regime, str(tmp_path), timeout=400):
         assert res["diff"] < 1e-5 and res["optim_diff"] < 1e-6, res
+        assert res["norms"][0] == pytest.approx(res["norms"][1], rel=1e-5) and res["norms"][1] > 0.05, res["norms"]
         assert res["resume_diff"] == 0 and res["resume_optim_diff"] == 0 and res["load_full_diff"] == 0, res
         predicted = res["fsdp_predicted"]  # comm_stats' FSDP2 numbers are predicted: check them against a count
         assert res["fsdp_counted"] == {k: predicted[k] for k in res["fsdp_counted"]}, res

@@ -11,6 +11,17 @@ import torch
 from subnet_ext.cli.train import build_parser, check_args, main
 
 TINY = ["--model", "mlp", "--data", "digits", "--steps", "6", "--batch-size", "16", "--nproc", "2"]
+# Digits has 10 classes (chance 0.10). After TINY's 6 steps DDP and FSDP2 reach 0.72 test
+# accuracy and the loss falls from 2.26 to 1.23 (measured); SDP's subnetworks learn a little
+# slower. 0.30 (3x chance) is safely below all of them and fails for a run that did not learn.
+MIN_ACCURACY = 0.30
+
+
+def assert_learned(report):
+    """The run learned: test accuracy well above chance and the last loss below the first."""
+    accuracy, loss = report["final"]["full"]["accuracy"], report["history"]["loss"]
+    assert accuracy >= MIN_ACCURACY, (accuracy, loss)
+    assert loss[-1] < 0.8 * loss[0], loss
 
 
 def run_cli(tmp_path, *extra, out="out"):
@@ -33,7 +44,7 @@ def test_each_method_end_to_end(tmp_path, extra):
     report = run_cli(tmp_path, *extra)
     assert report["world_size"] == 2 and report["steps"] == 6
     assert len(report["history"]["loss"]) == 6
-    assert 0.0 <= report["final"]["full"]["accuracy"] <= 1.0
+    assert_learned(report)
     assert all(r["memory"]["model_state"] > 0 for r in report["per_rank"])
     assert report["comm"]["bytes_per_step"] > 0
     for name in ("report.json", "report.md", "loss.png", "memory.png"):
@@ -42,12 +53,17 @@ def test_each_method_end_to_end(tmp_path, extra):
         assert "ensemble" in report["final"]
 
 
-def test_fsdp_end_to_end_or_clear_skip(tmp_path):
+def test_fsdp_end_to_end(tmp_path):
+    # FSDP2 (fully_shard) runs on CPU with gloo since torch 2.6; only its absence is a skip.
     try:
-        report = run_cli(tmp_path, "--method", "fsdp")
-    except Exception as exc:  # FSDP2 on CPU/gloo depends on the torch build
-        pytest.skip(f"FSDP2 could not run on this CPU build: {exc}")
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError:
+        pytest.skip(f"torch {torch.__version__} has no torch.distributed.fsdp.fully_shard (FSDP2)")
+    report = run_cli(tmp_path, "--method", "fsdp")
     assert report["method"] == "fsdp" and report["comm"]["source"].startswith("predicted")
+    assert report["world_size"] == 2 and len(report["history"]["loss"]) == 6
+    assert_learned(report)
+    assert all(r["memory"]["model_state"] > 0 for r in report["per_rank"])
 
 
 def test_resume_after_interruption_matches_uninterrupted(tmp_path):
@@ -75,6 +91,15 @@ BAD_ARGS = [
     (["--data", "cifar:/nonexistent/cifar"], "does not exist"),
     (["--data", "tokens:/nonexistent/x.bin", "--model", "llama"], "does not exist"),
     (["--method", "zero"], "invalid choice"),
+    (["--grad-clip", "0"], "--grad-clip must be positive and finite, got 0.0"),
+    (["--grad-clip", "nan"], "--grad-clip must be positive and finite"),
+    (["--grad-accum", "0"], "--grad-accum must be at least 1, got 0"),
+    (["--warmup-steps", "-1"], "--warmup-steps must be >= 0, got -1"),
+    (["--warmup-steps", "5", "--steps", "5"], "--warmup-steps 5 must be less than --steps 5"),
+    (["--precision", "fp8"], "invalid choice"),
+    (["--lr-schedule", "linear"], "invalid choice"),
+    (["--model", "gpt"], "invalid choice"),
+    (["--model", "hf:/nonexistent"], "config.json' does not exist"),
     (["--level", "layer"], "invalid choice"),
     (["--bucket-cap-mb", "0"], "--bucket-cap-mb must be positive"),
     (["--simulate-rank", "1"], "--simulate-rank R and --world-size K go together"),

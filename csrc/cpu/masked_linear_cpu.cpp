@@ -2,11 +2,11 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <torch/library.h>
 
 #include <algorithm>
 
 #include "kernels/gather.h"
+#include "masked_linear_registration.h"
 #include "ops.h"
 
 namespace subnet_ext {
@@ -48,40 +48,8 @@ void scatter_columns_cpu(const at::Tensor& src, const at::Tensor& cols, const at
 
 constexpr IndexKernels kCpuKernels{gather_cpu, scatter_columns_cpu};
 
-at::Tensor masked_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
-                             const OptTensor& out_idx, const OptTensor& in_idx, bool compact_weight,
-                             int64_t scatter_width) {
-  return masked_linear_impl("subnet_ext.masked_linear", x, weight, bias, out_idx, in_idx, compact_weight,
-                            scatter_width, kCpuKernels);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_linear_forward_cpu(
-    const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias, const OptTensor& out_idx,
-    const OptTensor& in_idx, bool compact_weight, int64_t scatter_width) {
-  return masked_linear_forward_impl(x, weight, bias, out_idx, in_idx, compact_weight, scatter_width, kCpuKernels);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_linear_backward_cpu(
-    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight, const OptTensor& out_idx,
-    const OptTensor& in_idx, bool compact_weight, bool grad_out_full, bool dense_grad_input,
-    std::array<bool, 3> output_mask, const OptTensor& x_kept, const OptTensor& weight_block) {
-  return masked_linear_backward_impl(grad_out, x, weight, out_idx, in_idx, compact_weight, grad_out_full,
-                                     dense_grad_input, output_mask, x_kept, weight_block, kCpuKernels);
-}
-
-void masked_linear_grad_weight_cpu(const at::Tensor& out, const at::Tensor& grad_out, const at::Tensor& x,
-                                   const OptTensor& out_idx, const OptTensor& in_idx, bool grad_out_full,
-                                   bool accumulate) {
-  masked_linear_grad_weight_impl(out, grad_out, x, out_idx, in_idx, grad_out_full, accumulate, kCpuKernels);
-}
-
 }  // namespace
 
-TORCH_LIBRARY_IMPL(subnet_ext, CPU, m) {
-  m.impl("masked_linear", &masked_linear_cpu);
-  m.impl("masked_linear_forward", &masked_linear_forward_cpu);
-  m.impl("masked_linear_backward", &masked_linear_backward_cpu);
-  m.impl("masked_linear_grad_weight_", &masked_linear_grad_weight_cpu);
-}
+SUBNET_EXT_REGISTER_MASKED_LINEAR(CPU, kCpuKernels)
 
 }  // namespace subnet_ext

@@ -4,6 +4,7 @@
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -50,7 +51,7 @@ struct CpuScaleRun<double, double> {
 
 // Calls fn(segment, begin, end) for the pieces of every segment inside packed range [lo, hi).
 template <typename Fn>
-void for_each_piece(const std::vector<SegmentDesc>& segs, const std::vector<int64_t>& starts, int64_t lo, int64_t hi,
+void for_each_piece(c10::ArrayRef<SegmentDesc> segs, const std::vector<int64_t>& starts, int64_t lo, int64_t hi,
                     const Fn& fn) {
   size_t s = std::upper_bound(starts.begin(), starts.end(), lo) - starts.begin() - 1;
   for (; s < segs.size() && starts[s] < hi; ++s) {
@@ -61,15 +62,15 @@ void for_each_piece(const std::vector<SegmentDesc>& segs, const std::vector<int6
 }
 
 template <typename Fn>
-void parallel_over_segments(const std::vector<SegmentDesc>& segs, const Fn& fn) {
+void parallel_over_segments(c10::ArrayRef<SegmentDesc> segs, const Fn& fn) {
   std::vector<int64_t> starts(segs.size() + 1, 0);
   for (size_t s = 0; s < segs.size(); ++s) starts[s + 1] = starts[s] + segment_numel(segs[s]);
   at::parallel_for(0, starts.back(), kChunk,
                    [&](int64_t lo, int64_t hi) { for_each_piece(segs, starts, lo, hi, fn); });
 }
 
-void pack_segments_cpu(at::TensorList tensors, const at::Tensor& segments, const at::Tensor& buffer) {
-  const auto segs = checked_segments("subnet_ext.pack_segments", tensors, segments, buffer, nullptr);
+// The loops of both entry points: segs validated against tensors and buffer.
+void pack_cpu(at::TensorList tensors, c10::ArrayRef<SegmentDesc> segs, const at::Tensor& buffer) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, buffer.scalar_type(), "subnet_ext.pack_cpu", [&] {
     scalar_t* buf = buffer.mutable_data_ptr<scalar_t>();
     parallel_over_segments(segs, [&](size_t s, int64_t begin, int64_t end) {
@@ -78,9 +79,7 @@ void pack_segments_cpu(at::TensorList tensors, const at::Tensor& segments, const
   });
 }
 
-void unpack_average_cpu(at::TensorList tensors, const at::Tensor& segments, const at::Tensor& buffer,
-                        const at::Tensor& scales) {
-  const auto segs = checked_segments("subnet_ext.unpack_average_", tensors, segments, buffer, &scales);
+void unpack_cpu(at::TensorList tensors, c10::ArrayRef<SegmentDesc> segs, const at::Tensor& buffer) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, buffer.scalar_type(), "subnet_ext.unpack_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const scalar_t* buf = buffer.const_data_ptr<scalar_t>();
@@ -91,11 +90,46 @@ void unpack_average_cpu(at::TensorList tensors, const at::Tensor& segments, cons
   });
 }
 
+void pack_segments_cpu(at::TensorList tensors, const at::Tensor& segments, const at::Tensor& buffer) {
+  pack_cpu(tensors, checked_segments("subnet_ext.pack_segments", tensors, segments, buffer, nullptr), buffer);
+}
+
+void unpack_average_cpu(at::TensorList tensors, const at::Tensor& segments, const at::Tensor& buffer,
+                        const at::Tensor& scales) {
+  unpack_cpu(tensors, checked_segments("subnet_ext.unpack_average_", tensors, segments, buffer, &scales), buffer);
+}
+
+// The CPU kernels read the host table itself: device_table is empty.
+std::tuple<at::Tensor, at::Tensor> prepare_segments_cpu(at::TensorList tensors, const at::Tensor& segments,
+                                                        const at::Tensor& buffer, const OptTensor& scales) {
+  const auto segs = checked_segments("subnet_ext.prepare_segments", tensors, segments, buffer,
+                                     scales.has_value() ? &*scales : nullptr);
+  return {prepared_host_table(tensors, buffer, segs, scales.has_value(), DeviceWork{}),
+          at::empty({0}, at::TensorOptions().dtype(at::kByte))};
+}
+
+void pack_segments_prepared_cpu(at::TensorList tensors, const at::Tensor& host_table, const at::Tensor& device_table,
+                                const at::Tensor& buffer) {
+  const PreparedView table = checked_prepared_table("subnet_ext.pack_segments_prepared", tensors, host_table,
+                                                    device_table, buffer, /*for_unpack=*/false);
+  pack_cpu(tensors, table.segments, buffer);
+}
+
+void unpack_average_prepared_cpu(at::TensorList tensors, const at::Tensor& host_table, const at::Tensor& device_table,
+                                 const at::Tensor& buffer) {
+  const PreparedView table = checked_prepared_table("subnet_ext.unpack_average_prepared_", tensors, host_table,
+                                                    device_table, buffer, /*for_unpack=*/true);
+  unpack_cpu(tensors, table.segments, buffer);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(subnet_ext, CPU, m) {
   m.impl("pack_segments", &pack_segments_cpu);
   m.impl("unpack_average_", &unpack_average_cpu);
+  m.impl("prepare_segments", &prepare_segments_cpu);
+  m.impl("pack_segments_prepared", &pack_segments_prepared_cpu);
+  m.impl("unpack_average_prepared_", &unpack_average_prepared_cpu);
 }
 
 }  // namespace subnet_ext

@@ -6,15 +6,17 @@
 // writes (gather) or reads (scatter) consecutive addresses of the contiguous side.
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/full.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
 
 #include "kernels/gather.h"
+#include "cuda/storage.cuh"
+#include "masked_linear_registration.h"
 #include "ops.h"
 
 namespace subnet_ext {
@@ -23,17 +25,6 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int64_t kRowsPerThread = 4;  // rows one thread copies per column: loads in flight
 constexpr int64_t kMaxGrid = 65535;    // gridDim.y limit; also used for x (grid-stride loops cover the rest)
-
-template <size_t Bytes>
-struct StorageOf;
-template <>
-struct StorageOf<2> { using type = uint16_t; };
-template <>
-struct StorageOf<4> { using type = uint32_t; };
-template <>
-struct StorageOf<8> { using type = uint64_t; };
-template <typename T>
-using storage_t = typename StorageOf<sizeof(T)>::type;
 
 using Vector16 = uint4;  // 16-byte unit of the whole-row path (alignof == 16)
 
@@ -57,18 +48,30 @@ __global__ void gather_kernel(const Unit* __restrict__ src, int64_t src_cols, co
   }
 }
 
-// dst[r, cols[c]] = src[r, c] for r < n_rows, c < n_cols. src is row-major [n_rows, n_cols],
-// dst row-major with row stride dst_cols; other columns of dst are left as they are.
+// inverse[cols[c]] = c for c < n_cols, inverse pre-filled with -1: the source column of
+// each output column, or -1 where the output is zero. cols are distinct (the op's contract).
+__global__ void inverse_map_kernel(const int64_t* __restrict__ cols, int64_t n_cols, int64_t* __restrict__ inverse) {
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < n_cols; c += step) {
+    inverse[cols[c]] = c;
+  }
+}
+
+// dst[r, w] = inverse[w] >= 0 ? src[r, inverse[w]] : 0 for r < n_rows, w < dst_cols. src is
+// row-major [n_rows, src_cols], dst row-major [n_rows, dst_cols]. Writes every element of
+// dst exactly once (the zero-fill is fused: no memset, no partially written sectors), and
+// a warp's stores are consecutive addresses of one row.
 template <typename Unit>
-__global__ void scatter_columns_kernel(const Unit* __restrict__ src, const int64_t* __restrict__ cols,
-                                       Unit* __restrict__ dst, int64_t dst_cols, int64_t n_rows, int64_t n_cols) {
+__global__ void scatter_columns_kernel(const Unit* __restrict__ src, int64_t src_cols,
+                                       const int64_t* __restrict__ inverse, Unit* __restrict__ dst,
+                                       int64_t n_rows, int64_t dst_cols) {
   const int64_t col_step = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t row_step = static_cast<int64_t>(gridDim.y) * blockDim.y;
-  for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < n_cols; c += col_step) {
-    const int64_t dst_c = cols[c];
+  for (int64_t w = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; w < dst_cols; w += col_step) {
+    const int64_t src_c = inverse[w];
 #pragma unroll 4
     for (int64_t r = static_cast<int64_t>(blockIdx.y) * blockDim.y + threadIdx.y; r < n_rows; r += row_step) {
-      dst[r * dst_cols + dst_c] = src[r * n_cols + c];
+      dst[r * dst_cols + w] = src_c >= 0 ? src[r * src_cols + src_c] : Unit(0);
     }
   }
 }
@@ -108,9 +111,9 @@ void gather_cuda(const at::Tensor& src, const at::Tensor& rows, const at::Tensor
   if (n_rows == 0 || n_cols == 0) return;
   c10::cuda::CUDAGuard guard(dst.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  // The index tensors are 1-D but not necessarily dense; the kernels read them densely.
-  const at::Tensor row_idx = rows.defined() ? rows.contiguous() : at::Tensor();
-  const at::Tensor col_idx = cols.defined() ? cols.contiguous() : at::Tensor();
+  // Indices are dense (masked_linear.cpp makes them so before any kernel runs).
+  const at::Tensor& row_idx = rows;
+  const at::Tensor& col_idx = cols;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "subnet_ext.gather_cuda", [&] {
     constexpr int64_t elem = sizeof(scalar_t);
     const void* s = src.const_data_ptr();
@@ -128,65 +131,38 @@ void gather_cuda(const at::Tensor& src, const at::Tensor& rows, const at::Tensor
   });
 }
 
-// IndexKernels::scatter_columns. src [R, C] and dst [R, W] contiguous; cols [C] int64.
-// dst is zeroed first (one memset on the stream), then the kept columns are written.
+// IndexKernels::scatter_columns. src [R, C] and dst [R, W] contiguous; cols [C] int64,
+// distinct, in [0, W). Two launches on the current stream, no host sync: the inverse map
+// (W int64, filled with -1, then inverse[cols[c]] = c), then one pass that writes every
+// element of dst once (kept column: its value; other columns: 0).
 void scatter_columns_cuda(const at::Tensor& src, const at::Tensor& cols, const at::Tensor& dst) {
   TORCH_INTERNAL_ASSERT(src.dim() == 2 && dst.dim() == 2 && src.is_contiguous() && dst.is_contiguous() &&
-                        src.size(0) == dst.size(0));
+                        cols.is_contiguous() && src.size(0) == dst.size(0) && cols.numel() == src.size(1));
   const int64_t n_rows = src.size(0), n_cols = src.size(1), dst_cols = dst.size(1);
+  if (dst.numel() == 0) return;
   c10::cuda::CUDAGuard guard(dst.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  if (dst.numel() > 0) {
-    C10_CUDA_CHECK(cudaMemsetAsync(dst.mutable_data_ptr(), 0, dst.numel() * dst.element_size(), stream));
+  const at::Tensor inverse = at::full({dst_cols}, -1, cols.options());
+  if (n_cols > 0) {
+    const int64_t blocks = std::min<int64_t>((n_cols + kThreads - 1) / kThreads, kMaxGrid);
+    inverse_map_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+        cols.const_data_ptr<int64_t>(), n_cols, inverse.mutable_data_ptr<int64_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  if (n_rows == 0 || n_cols == 0) return;
-  const at::Tensor col_idx = cols.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "subnet_ext.scatter_cuda", [&] {
     using unit_t = storage_t<scalar_t>;
-    const Launch l = launch_shape(n_rows, n_cols);
+    const Launch l = launch_shape(n_rows, dst_cols);
     scatter_columns_kernel<unit_t><<<l.grid, l.block, 0, stream>>>(
-        static_cast<const unit_t*>(src.const_data_ptr()), col_idx.const_data_ptr<int64_t>(),
-        static_cast<unit_t*>(dst.mutable_data_ptr()), dst_cols, n_rows, n_cols);
+        static_cast<const unit_t*>(src.const_data_ptr()), n_cols, inverse.const_data_ptr<int64_t>(),
+        static_cast<unit_t*>(dst.mutable_data_ptr()), n_rows, dst_cols);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
 
 constexpr IndexKernels kCudaKernels{gather_cuda, scatter_columns_cuda};
 
-at::Tensor masked_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
-                              const OptTensor& out_idx, const OptTensor& in_idx, bool compact_weight,
-                              int64_t scatter_width) {
-  return masked_linear_impl("subnet_ext.masked_linear", x, weight, bias, out_idx, in_idx, compact_weight,
-                            scatter_width, kCudaKernels);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_linear_forward_cuda(
-    const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias, const OptTensor& out_idx,
-    const OptTensor& in_idx, bool compact_weight, int64_t scatter_width) {
-  return masked_linear_forward_impl(x, weight, bias, out_idx, in_idx, compact_weight, scatter_width, kCudaKernels);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_linear_backward_cuda(
-    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight, const OptTensor& out_idx,
-    const OptTensor& in_idx, bool compact_weight, bool grad_out_full, bool dense_grad_input,
-    std::array<bool, 3> output_mask, const OptTensor& x_kept, const OptTensor& weight_block) {
-  return masked_linear_backward_impl(grad_out, x, weight, out_idx, in_idx, compact_weight, grad_out_full,
-                                     dense_grad_input, output_mask, x_kept, weight_block, kCudaKernels);
-}
-
-void masked_linear_grad_weight_cuda(const at::Tensor& out, const at::Tensor& grad_out, const at::Tensor& x,
-                                    const OptTensor& out_idx, const OptTensor& in_idx, bool grad_out_full,
-                                    bool accumulate) {
-  masked_linear_grad_weight_impl(out, grad_out, x, out_idx, in_idx, grad_out_full, accumulate, kCudaKernels);
-}
-
 }  // namespace
 
-TORCH_LIBRARY_IMPL(subnet_ext, CUDA, m) {
-  m.impl("masked_linear", &masked_linear_cuda);
-  m.impl("masked_linear_forward", &masked_linear_forward_cuda);
-  m.impl("masked_linear_backward", &masked_linear_backward_cuda);
-  m.impl("masked_linear_grad_weight_", &masked_linear_grad_weight_cuda);
-}
+SUBNET_EXT_REGISTER_MASKED_LINEAR(CUDA, kCudaKernels)
 
 }  // namespace subnet_ext

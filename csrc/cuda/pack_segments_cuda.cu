@@ -24,6 +24,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cuda/storage.cuh"
 #include "kernels/segments.h"
 #include "ops.h"
 
@@ -33,17 +34,6 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int64_t kChunkBytes = 64 * 1024;  // per block: 4096 vectors, 16 per thread
 constexpr int kUnroll = 4;                  // units each thread has in flight
-
-template <size_t Bytes>
-struct StorageOf;
-template <>
-struct StorageOf<2> { using type = uint16_t; };
-template <>
-struct StorageOf<4> { using type = uint32_t; };
-template <>
-struct StorageOf<8> { using type = uint64_t; };
-template <typename T>
-using storage_t = typename StorageOf<sizeof(T)>::type;
 
 // 16 bytes of T, loaded and stored as one 128-bit access.
 template <typename T>
@@ -212,8 +202,16 @@ struct DeviceTable {
   int64_t chunk_count = 0;
 };
 
-DeviceTable upload_table(const char* op, const std::vector<SegmentDesc>& segs, at::TensorList tensors,
-                         const at::Tensor& buffer, bool write_tensors) {
+// The work table in host memory: DeviceSegment[] then DeviceChunk[] (both 8-byte aligned,
+// so the chunk table follows directly at chunk_offset).
+struct HostWork {
+  std::vector<uint8_t> bytes;
+  int64_t chunk_offset = 0;
+  int64_t chunk_count = 0;
+};
+
+HostWork work_table(const char* op, c10::ArrayRef<SegmentDesc> segs, at::TensorList tensors,
+                    const at::Tensor& buffer, bool write_tensors) {
   const int64_t elem = buffer.element_size();
   const int64_t lanes = 16 / elem;
   const bool buffer_aligned = is_aligned16(buffer.const_data_ptr());
@@ -235,26 +233,43 @@ DeviceTable upload_table(const char* op, const std::vector<SegmentDesc>& segs, a
     for (int64_t b = 0; b < units; b += per_chunk) chunks.push_back({index, b, std::min(b + per_chunk, units)});
     device_segs.push_back(d);
   }
-  DeviceTable table;
-  if (chunks.empty()) return table;
+  HostWork work;
+  if (chunks.empty()) return work;
   TORCH_CHECK(chunks.size() <= static_cast<size_t>(std::numeric_limits<int32_t>::max()), op, ": ", chunks.size(),
               " chunks of ", kChunkBytes, " bytes exceed the grid limit; split the call");
-  // DeviceSegment and DeviceChunk both have 8-byte alignment, so the chunk table follows directly.
   const size_t seg_bytes = device_segs.size() * sizeof(DeviceSegment);
   const size_t chunk_bytes = chunks.size() * sizeof(DeviceChunk);
-  at::Tensor host = at::empty({static_cast<int64_t>(seg_bytes + chunk_bytes)},
+  work.bytes.resize(seg_bytes + chunk_bytes);
+  std::memcpy(work.bytes.data(), device_segs.data(), seg_bytes);
+  std::memcpy(work.bytes.data() + seg_bytes, chunks.data(), chunk_bytes);
+  work.chunk_offset = static_cast<int64_t>(seg_bytes);
+  work.chunk_count = static_cast<int64_t>(chunks.size());
+  return work;
+}
+
+DeviceTable device_view(const at::Tensor& storage, int64_t chunk_offset, int64_t chunk_count) {
+  DeviceTable table;
+  if (chunk_count == 0) return table;
+  table.storage = storage;
+  const uint8_t* d = storage.const_data_ptr<uint8_t>();
+  table.segments = reinterpret_cast<const DeviceSegment*>(d);
+  table.chunks = reinterpret_cast<const DeviceChunk*>(d + chunk_offset);
+  table.chunk_count = chunk_count;
+  return table;
+}
+
+// Per call: the work table through pinned memory, one async H2D copy on the current stream.
+DeviceTable upload_table(const char* op, c10::ArrayRef<SegmentDesc> segs, at::TensorList tensors,
+                         const at::Tensor& buffer, bool write_tensors) {
+  const HostWork work = work_table(op, segs, tensors, buffer, write_tensors);
+  if (work.chunk_count == 0) return DeviceTable{};
+  at::Tensor host = at::empty({static_cast<int64_t>(work.bytes.size())},
                               at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-  uint8_t* h = host.mutable_data_ptr<uint8_t>();
-  std::memcpy(h, device_segs.data(), seg_bytes);
-  std::memcpy(h + seg_bytes, chunks.data(), chunk_bytes);
+  std::memcpy(host.mutable_data_ptr<uint8_t>(), work.bytes.data(), work.bytes.size());
   // Non-blocking from pinned memory: the copy is queued on the current stream and the
   // caching host allocator records an event, so `host` is not reused before the copy ends.
-  table.storage = host.to(at::TensorOptions().dtype(at::kByte).device(buffer.device()), /*non_blocking=*/true);
-  const uint8_t* d = table.storage.const_data_ptr<uint8_t>();
-  table.segments = reinterpret_cast<const DeviceSegment*>(d);
-  table.chunks = reinterpret_cast<const DeviceChunk*>(d + seg_bytes);
-  table.chunk_count = static_cast<int64_t>(chunks.size());
-  return table;
+  return device_view(host.to(at::TensorOptions().dtype(at::kByte).device(buffer.device()), /*non_blocking=*/true),
+                     work.chunk_offset, work.chunk_count);
 }
 
 // `buffer` is the buffer's data: written by pack, only read by unpack.
@@ -294,11 +309,58 @@ void unpack_average_cuda(at::TensorList tensors, const at::Tensor& segments, con
                                   });
 }
 
+// Validates once and uploads the work table once, with a synchronous copy: the prepared
+// table is then ready for any stream (and for CUDA graph capture) without further syncs.
+std::tuple<at::Tensor, at::Tensor> prepare_segments_cuda(at::TensorList tensors, const at::Tensor& segments,
+                                                         const at::Tensor& buffer, const OptTensor& scales) {
+  const char* op = "subnet_ext.prepare_segments";
+  const auto segs = checked_segments(op, tensors, segments, buffer, scales.has_value() ? &*scales : nullptr);
+  c10::cuda::CUDAGuard guard(buffer.device());
+  const HostWork work = work_table(op, segs, tensors, buffer, /*write_tensors=*/scales.has_value());
+  at::Tensor device = at::empty({static_cast<int64_t>(work.bytes.size())},
+                                at::TensorOptions().dtype(at::kByte).device(buffer.device()));
+  if (!work.bytes.empty()) {
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    C10_CUDA_CHECK(cudaMemcpyAsync(device.mutable_data_ptr(), work.bytes.data(), work.bytes.size(),
+                                   cudaMemcpyHostToDevice, stream));
+    C10_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+  const DeviceWork summary{static_cast<int64_t>(work.bytes.size()), work.chunk_offset, work.chunk_count};
+  return {prepared_host_table(tensors, buffer, segs, scales.has_value(), summary), device};
+}
+
+void pack_segments_prepared_cuda(at::TensorList tensors, const at::Tensor& host_table, const at::Tensor& device_table,
+                                 const at::Tensor& buffer) {
+  const PreparedView table = checked_prepared_table("subnet_ext.pack_segments_prepared", tensors, host_table,
+                                                    device_table, buffer, /*for_unpack=*/false);
+  const DeviceTable work = device_view(device_table, table.header->chunk_offset, table.header->chunk_count);
+  if (work.chunk_count == 0) return;
+  c10::cuda::CUDAGuard guard(buffer.device());
+  void* data = buffer.mutable_data_ptr();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, buffer.scalar_type(), "subnet_ext.pack_cuda",
+                                  [&] { launch_segments<storage_t<scalar_t>, false>(work, data); });
+}
+
+void unpack_average_prepared_cuda(at::TensorList tensors, const at::Tensor& host_table,
+                                  const at::Tensor& device_table, const at::Tensor& buffer) {
+  const PreparedView table = checked_prepared_table("subnet_ext.unpack_average_prepared_", tensors, host_table,
+                                                    device_table, buffer, /*for_unpack=*/true);
+  const DeviceTable work = device_view(device_table, table.header->chunk_offset, table.header->chunk_count);
+  if (work.chunk_count == 0) return;
+  c10::cuda::CUDAGuard guard(buffer.device());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, buffer.scalar_type(), "subnet_ext.unpack_cuda", [&] {
+    launch_segments<scalar_t, true>(work, const_cast<void*>(buffer.const_data_ptr()));
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(subnet_ext, CUDA, m) {
   m.impl("pack_segments", &pack_segments_cuda);
   m.impl("unpack_average_", &unpack_average_cuda);
+  m.impl("prepare_segments", &prepare_segments_cuda);
+  m.impl("pack_segments_prepared", &pack_segments_prepared_cuda);
+  m.impl("unpack_average_prepared_", &unpack_average_prepared_cuda);
 }
 
 }  // namespace subnet_ext

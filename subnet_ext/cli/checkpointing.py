@@ -37,7 +37,12 @@ def stream_seed(seed: int, step: int, rank: int) -> int:
 
 
 def identity(args) -> dict:
-    return {k: getattr(args, k, None) for k in RECORDED}
+    """What a checkpoint was written by: FIXED (must match on resume), the SDP settings and
+    the optimizer-step settings ("training": precision, clipping, schedule, accumulation...,
+    recorded, free to change on resume)."""
+    from .training import training_settings
+
+    return {**{k: getattr(args, k, None) for k in RECORDED}, "training": training_settings(args)}
 
 
 # ----------------------------------------------------------------------------- RNG
@@ -50,6 +55,7 @@ def _decode(s: str) -> torch.Tensor:
 
 
 def rng_state() -> dict:
+    """This process's RNG states, base64-encoded: {"cpu": str, "cuda": [str per device] when CUDA is initialised}."""
     out = {"cpu": _encode(torch.get_rng_state())}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["cuda"] = [_encode(s.cpu()) for s in torch.cuda.get_rng_state_all()]
@@ -111,6 +117,8 @@ def save(save_dir: str, step: int, method, optimizer, history: dict, args, final
 
 
 def check_compatible(folder: str, manifest: dict, args) -> None:
+    """Raise CheckpointError, naming each differing setting, unless the checkpoint at `folder`
+    was written by a run with the same FIXED settings (method, model, preset, data, width, seed) as `args`."""
     saved = manifest.get("identity", {})
     diffs = [f"{k} {saved.get(k)!r} vs {getattr(args, k, None)!r}" for k in FIXED
              if saved.get(k) != getattr(args, k, None)]
@@ -166,7 +174,7 @@ def _assemble_sdp(folder, manifest, available) -> dict:
     from ..planning.pieces import global_pieces
     from ..planning.plan import SubnetPlan
     from ..planning.pieces import full_rectangle
-    from ..state.slots import as_2d, piece_key
+    from ..state.held_pieces import as_2d, piece_key
 
     plan = SubnetPlan.from_json(manifest["plan"])
     out = {n: torch.zeros(shape, dtype=getattr(torch, plan.tensor_dtypes[n]))

@@ -41,10 +41,13 @@ class Faults:
         self.nan_at = {s for r, s in _parse(NAN) if r == rank}
 
     def before_step(self, step: int) -> None:
+        """SIGKILL this process when `step` (counted from 1) is a planned kill step."""
         if step in self.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def after_backward(self, step: int, parameters) -> None:
+        """When `step` is a planned NaN step, write a NaN into element 0 of the first existing
+        gradient among `parameters` (the local shard of a DTensor gradient)."""
         if step not in self.nan_at:
             return
         for p in parameters:

@@ -41,6 +41,7 @@ def free_port() -> int:
 
 
 def under_torchrun() -> bool:
+    """True when RANK, WORLD_SIZE and MASTER_ADDR are set, i.e. this process is a torchrun worker."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 

@@ -11,7 +11,6 @@ collective has a deadline (`--timeout`).
 """
 from __future__ import annotations
 
-import contextlib
 import sys
 import time
 from argparse import Namespace
@@ -26,6 +25,7 @@ from . import checkpointing
 from .faults import Faults
 from .methods import ActivationMeter, DDPMethod, FSDPMethod, SDPMethod, peak_rss_bytes
 from .tasks import build_task
+from .training import OptimizerStep, apply_activation_checkpointing, training_settings
 
 
 def data_rank(args: Namespace) -> tuple[int, int]:
@@ -36,6 +36,8 @@ def data_rank(args: Namespace) -> tuple[int, int]:
 
 
 def make_method(args: Namespace, model, device):
+    """The training method `args.method` names (DDPMethod, FSDPMethod or SDPMethod) wrapped around
+    `model` on `device`; for SDP the plan is made here, FLOPs traced at the task's input size."""
     bucket_cap_mb = getattr(args, "bucket_cap_mb", DEFAULT_BUCKET_CAP_MB)
     if args.method == "ddp":
         return DDPMethod(model, device, bucket_cap_mb)
@@ -76,7 +78,11 @@ def run_worker(args: Namespace) -> dict | None:
     task = build_task(args.data, args.model, args.preset, args.batch_size, args.seq_len, args.seed, args.width)
     torch.manual_seed(args.seed)  # the same initial model on every rank
     model = task.make_model().to(device)
+    if args.activation_checkpointing:  # before wrapping: the wrappers see the checkpointed blocks
+        apply_activation_checkpointing(model)
     method = make_method(args, model, device)
+    if args.compile:
+        method.compile()
     optimizer = torch.optim.AdamW(method.parameters(), lr=args.lr, weight_decay=args.weight_decay)
 
     start, history = 0, {"step": [], "loss": [], "eval": [], "skipped": []}
@@ -84,48 +90,12 @@ def run_worker(args: Namespace) -> dict | None:
         resumed = checkpointing.resume(args, method, optimizer)
         if resumed is not None:
             start, history = resumed
-    guard = NonFiniteGuard(args.max_skipped, timeout=args.timeout)
-    guard.skipped_steps = list(history["skipped"])
-    faults = Faults(rank)
-    progress = _progress(rank, start, args.steps)
-    step_times, memory, activation_bytes = [], None, None
-    for step in range(start, args.steps):
-        faults.before_step(step + 1)
-        x, y = task.batch(step, *data_rank(args))
-        x, y = x.to(device), y.to(device)
-        t0 = time.perf_counter()
-        meter = ActivationMeter() if activation_bytes is None else None
-        with meter if meter is not None else contextlib.nullcontext():
-            loss = task.loss(method(x), y)
-        loss.backward()
-        if activation_bytes is None:
-            activation_bytes = meter.bytes
-        faults.after_backward(step + 1, method.parameters())
-        # One all-reduced flag: every rank steps, or every rank skips (and zeroes its grads).
-        if guard.should_step(method.parameters(), step + 1):
-            optimizer.step()
-            if memory is None:
-                memory = method.memory(optimizer)  # grads still allocated: measured before zero_grad
-            method.after_step()
-        optimizer.zero_grad(set_to_none=True)
-        history["skipped"] = list(guard.skipped_steps)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        step_times.append(time.perf_counter() - t0)
-        history["step"].append(step + 1)
-        history["loss"].append(loss.item())
-        progress.update(1)
-        progress.set_postfix(loss=f"{history['loss'][-1]:.4f}")
-        if args.verify_every and (step + 1) % args.verify_every == 0:
-            method.verify_consistency()
-        if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
-            history["eval"].append({"step": step + 1, **evaluate(method, task, device)})
-        if args.save_dir and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
-            checkpointing.save(args.save_dir, step + 1, method, optimizer, history, args)
-        if args.stop_after and step + 1 - start >= args.stop_after:
-            progress.close()
-            return None  # a deliberate interruption, for resume tests
-    progress.close()
+    history.setdefault("lr", [])
+    if args.grad_clip is not None:  # the pre-clip norm is computed only when clipping
+        history.setdefault("grad_norm", [])
+    measured = _train(args, task, method, optimizer, history, start, device, rank)
+    if measured is None:
+        return None  # a deliberate interruption, for resume tests
     final = evaluate(method, task, device)
     # A run resumed from its own final checkpoint (e.g. restarted after it) evaluates again: one entry.
     history["eval"] = [e for e in history["eval"] if e["step"] != args.steps] + [{"step": args.steps, **final}]
@@ -133,11 +103,9 @@ def run_worker(args: Namespace) -> dict | None:
         checkpointing.save(args.save_dir, args.steps, method, optimizer, history, args, final=True)
     local = {
         "rank": rank,
-        "memory": memory,
-        "activation_bytes": activation_bytes,
+        **measured,
         "peak_rss_bytes": peak_rss_bytes(),
         "peak_cuda_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
-        "step_time_s": _median(step_times[1:] or step_times),
     }
     per_rank = [None] * world
     dist.all_gather_object(per_rank, local)
@@ -152,15 +120,70 @@ def run_worker(args: Namespace) -> dict | None:
     return report
 
 
+def _train(args, task, method, optimizer, history, start, device, rank) -> dict | None:
+    """Steps start..args.steps, appending to history; this rank's measurements
+    {memory, activation_bytes, step_time_s}, or None after --stop-after."""
+    guard = NonFiniteGuard(args.max_skipped, timeout=args.timeout)
+    guard.skipped_steps = list(history["skipped"])
+    stepper = OptimizerStep(method, optimizer, guard, args, device, taken=len(history["step"]) - guard.skipped)
+    faults = Faults(rank)
+    progress = _progress(rank, start, args.steps)
+    step_times, memory, activation_bytes = [], None, None
+    for step in range(start, args.steps):
+        faults.before_step(step + 1)
+        t0 = time.perf_counter()
+        meter = ActivationMeter() if activation_bytes is None else None
+        loss = stepper.accumulate(task, step, *data_rank(args), meter=meter)
+        if activation_bytes is None:
+            activation_bytes = meter.bytes
+        faults.after_backward(step + 1, method.parameters())
+        # Every rank steps, or every rank skips (one all-reduced flag: the guard's, or the fp16 scaler's).
+        record = stepper.finish(step + 1)
+        if record["stepped"]:
+            if memory is None:
+                memory = method.memory(optimizer)  # grads still allocated: measured before zero_grad
+            method.after_step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        step_times.append(time.perf_counter() - t0)
+        _record(history, step + 1, loss, record, guard)
+        progress.update(1)
+        progress.set_postfix(loss=f"{loss:.4f}")
+        if args.verify_every and (step + 1) % args.verify_every == 0:
+            method.verify_consistency()
+        if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
+            history["eval"].append({"step": step + 1, **evaluate(method, task, device)})
+        if args.save_dir and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
+            checkpointing.save(args.save_dir, step + 1, method, optimizer, history, args)
+        if args.stop_after and step + 1 - start >= args.stop_after:
+            progress.close()
+            return None
+    progress.close()
+    return {"memory": memory, "activation_bytes": activation_bytes,
+            "step_time_s": _median(step_times[1:] or step_times)}
+
+
+def _record(history: dict, step: int, loss: float, record: dict, guard) -> None:
+    """Appends one step to the history: loss (mean over micro-batches), lr, pre-clip norm."""
+    history["skipped"] = list(guard.skipped_steps)
+    history["step"].append(step)
+    history["loss"].append(loss)
+    history["lr"].append(record["lr"])
+    if "grad_norm" in history:
+        history["grad_norm"].append(record["grad_norm"])
+
+
 def _report(args, task, method, per_rank, comm, final, history, world):
     step_time = max(r["step_time_s"] for r in per_rank)
-    samples = args.batch_size * world * (args.seq_len if task.kind == "language" else 1)
+    samples = args.batch_size * world * (args.seq_len if task.task_type == "language" else 1)
     return {
         "method": args.method,
         "label": _label(args),
-        "model": args.model, "preset": args.preset, "data": args.data, "task": task.kind,
+        "model": args.model, "preset": args.preset, "data": args.data, "task": task.task_type,
         "loss_floor": task.floor,
         "world_size": world, "steps": args.steps, "batch_size_per_rank": args.batch_size,
+        "training": training_settings(args),
         "simulated": ({"rank": args.simulate_rank, "world_size": args.world_size}
                       if getattr(args, "simulate_rank", None) is not None else None),
         "sdp": {"level": args.level, "regime": args.regime, "coverage": args.coverage,
@@ -171,7 +194,7 @@ def _report(args, task, method, per_rank, comm, final, history, world):
         "comm": comm,
         "step_time_s": step_time,
         "throughput_per_s": samples / step_time if step_time > 0 else None,
-        "throughput_unit": "tokens" if task.kind == "language" else "samples",
+        "throughput_unit": "tokens" if task.task_type == "language" else "samples",
         "history": history,
         "skipped_steps": len(history.get("skipped", [])),
     }

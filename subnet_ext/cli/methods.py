@@ -4,6 +4,7 @@ collectives, activation bytes) so the report compares them side by side.
 """
 from __future__ import annotations
 
+import contextlib
 import resource
 
 import torch
@@ -21,6 +22,7 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the tensors in `optimizer.state` this rank holds (local shards of DTensors)."""
     return sum(tensor_bytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
 
 
@@ -52,6 +54,7 @@ class ActivationMeter:
 
 
 def peak_rss_bytes() -> int:
+    """Peak resident set size of this process in bytes (getrusage ru_maxrss, KiB on Linux, x 1024)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -85,17 +88,38 @@ class Method:
 
     def __init__(self, model: nn.Module):
         self.module = model
+        self._compiled = None
+
+    def forward_module(self) -> nn.Module:
+        """The module a training forward calls (the wrapper, or the model for FSDP2)."""
+        return self.module
 
     def __call__(self, x):
-        return self.module(x)
+        # `is None`, not `or`: a compiled module's truth value asks its len(), which wrappers lack.
+        return (self.forward_module() if self._compiled is None else self._compiled)(x)
+
+    def compile(self) -> None:
+        """torch.compile the training forward (--compile); evaluation stays eager."""
+        self._compiled = torch.compile(self.forward_module())
+
+    def no_sync(self):
+        """Context for the first N-1 micro-batches of --grad-accum: backwards only accumulate."""
+        return contextlib.nullcontext()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scales the gradients so their global 2-norm is at most max_norm; returns the
+        pre-clip norm (a 0-d tensor, the same on every rank)."""
+        return torch.nn.utils.clip_grad_norm_(list(self.module.parameters()), max_norm)
 
     def parameters(self):
+        """The parameters the optimizer steps."""
         return self.module.parameters()
 
     def after_step(self):
         """Called after optimizer.step(): counts a step for the per-step comm averages."""
 
     def memory(self, optimizer) -> dict:
+        """Bytes this rank holds: {"parameters", "gradients", "optimizer_state", "model_state" (their sum)}."""
         params = sum(tensor_bytes(p) for p in self.module.parameters())
         grads = sum(tensor_bytes(p.grad) for p in self.module.parameters() if p.grad is not None)
         state = optimizer_state_bytes(optimizer)
@@ -103,12 +127,16 @@ class Method:
                 "model_state": params + grads + state}
 
     def comm(self) -> dict:
+        """Communication per optimizer step: {"bytes_per_step", "collectives_per_step", "wire_bytes_per_step",
+        "source" (counted or predicted)}; bytes are those handed to collectives."""
         raise NotImplementedError
 
     def full_state_dict(self) -> dict:
+        """The full model's state dict ({name: tensor}, full shapes), as the unwrapped model would give it."""
         raise NotImplementedError
 
     def load_full_state_dict(self, sd: dict) -> None:
+        """Load a full model state dict (as full_state_dict returns) into the wrapped model."""
         raise NotImplementedError
 
     def eval_logits(self, x) -> dict:
@@ -121,6 +149,8 @@ class Method:
 
 
 class DDPMethod(Method):
+    """torch DistributedDataParallel, with a comm hook that counts the gradient bytes it all-reduces."""
+
     name = "ddp"
 
     def __init__(self, model, device, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB):
@@ -132,13 +162,20 @@ class DDPMethod(Method):
                        bucket_cap_mb=bucket_cap_mb)
         self.ddp.register_comm_hook(None, _counting_allreduce_hook(self.counter))
 
-    def __call__(self, x):
-        return self.ddp(x)
+    def forward_module(self):
+        """The module the training forward calls (torch DDP's wrapper, which may be compiled)."""
+        return self.ddp
+
+    def no_sync(self):
+        """DDP's context that accumulates gradients without all-reducing them."""
+        return self.ddp.no_sync()
 
     def after_step(self):
+        """Count one optimizer step (the denominator of the per-step comm averages)."""
         self.counter.steps += 1
 
     def comm(self):
+        """Counted gradient all-reduce bytes and collectives per step; wire bytes = 2(K-1)/K x bytes (ring)."""
         steps = max(1, self.counter.steps)
         k = dist.get_world_size()
         per_step = self.counter.bytes / steps
@@ -146,18 +183,22 @@ class DDPMethod(Method):
                 "wire_bytes_per_step": 2 * (k - 1) / k * per_step, "source": "counted (DDP comm hook)"}
 
     def full_state_dict(self):
+        """A detached copy of the replica's state dict ({name: tensor}, full shapes)."""
         return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
 
     def load_full_state_dict(self, sd):
+        """Load a full state dict into the replica (every rank loads the same `sd`)."""
         self.module.load_state_dict(sd)
 
     def verify_consistency(self):
+        """Raise ConsistencyError unless every rank holds the same state dict (collective)."""
         from ..state.consistency import verify_replicas
 
         verify_replicas(self.module.state_dict())  # data parallelism: every rank is a replica
 
     @torch.no_grad()
     def eval_logits(self, x):
+        """{"full": logits of the replica on x} (e.g. x: [B, in_features] -> [B, num_classes])."""
         return {"full": self.module(x)}
 
 
@@ -176,13 +217,26 @@ class FSDPMethod(Method):
         fully_shard(model)
         self.steps = 0
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients without reduce-scattering them (FSDP2's gradient-sync switch)."""
+        # FSDP2's equivalent of no_sync: gradients stay unsharded and unreduced until re-enabled.
+        self.module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
+
     def after_step(self):
+        """Count one optimizer step (the denominator of the per-step comm averages)."""
         self.steps += 1
 
     def comm(self):
         # FSDP2 issues its collectives from C++-backed helpers that a Python counter cannot see
         # reliably; its schedule is fixed, so the bytes are predicted from the parameter sizes:
         # all-gather in forward and again in backward (reshard_after_forward) + one reduce-scatter.
+        """Predicted bytes and collectives per step from FSDP2's fixed schedule: two all-gathers and one
+        reduce-scatter of the full parameters (3 x full bytes), 3 collectives per sharded module."""
         k = dist.get_world_size()
         full = sum(p.numel() * p.element_size() for p in self.module.parameters())
         n_groups = sum(1 for m in self.module.modules() if _is_fsdp(m))
@@ -190,17 +244,20 @@ class FSDPMethod(Method):
                 "wire_bytes_per_step": 3 * (k - 1) / k * full, "source": "predicted (FSDP2 schedule)"}
 
     def full_state_dict(self):
+        """The full (unsharded) model state dict on the CPU (collective)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         return get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def load_full_state_dict(self, sd):
+        """Load a full model state dict into the sharded model (each rank keeps its shards)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         set_model_state_dict(self.module, sd, options=StateDictOptions(full_state_dict=True))
 
     @torch.no_grad()
     def eval_logits(self, x):
+        """{"full": logits of the sharded model on x} (parameters gathered per module)."""
         return {"full": self.module(x)}
 
 
@@ -218,6 +275,9 @@ def _is_block_list_member(model, name):
 
 
 class SDPMethod(Method):
+    """Subnetwork data parallelism: `model` wrapped in SubnetDataParallel with `plan` (each rank
+    trains its subnetwork; pieces averaged among their owners)."""
+
     name = "sdp"
 
     def __init__(self, model, plan, regime, sync_every, scale, process_group=None, bucket_cap_mb=DEFAULT_BUCKET_CAP_MB,
@@ -230,33 +290,51 @@ class SDPMethod(Method):
                                       simulate_rank=simulate_rank, timeout=timeout, shard_shared=shard_shared)
         self.plan = plan
 
-    def __call__(self, x):
-        return self.sdp(x)
+    def forward_module(self):
+        """The module the training forward calls (the SubnetDataParallel wrapper)."""
+        return self.sdp
+
+    def no_sync(self):
+        """SDP's context that accumulates gradients without averaging them among owners."""
+        return self.sdp.no_sync()
+
+    def clip_grad_norm_(self, max_norm):
+        """Clip by the whole model's synchronised gradient norm; returns that norm (0-d tensor)."""
+        # The norm of the synchronised gradient of the whole model (DESIGN.md §7), not one rank's share.
+        return self.sdp.clip_grad_norm_(max_norm)
 
     def parameters(self):
+        """The parameters this rank's optimizer steps (its subnetwork's, from SubnetDataParallel)."""
         return self.sdp.parameters()
 
     def memory(self, optimizer):
+        """SubnetDataParallel.memory_report, with "model_state" = parameters + gradients + optimizer state."""
         report = dict(self.sdp.memory_report(optimizer))
         report.setdefault("model_state", report["parameters"] + report["gradients"] + report["optimizer_state"])
         return report
 
     def comm(self):
+        """SubnetDataParallel.comm_stats, with "source": counted by the SDP communicator."""
         stats = dict(self.sdp.comm_stats())
         stats.setdefault("source", "counted (SDP communicator)")
         return stats
 
     def full_state_dict(self):
+        """The full model's state dict assembled from every rank's pieces (collective)."""
         return self.sdp.full_state_dict()
 
     def load_full_state_dict(self, sd):
+        """Load a full model state dict: each rank keeps the pieces it holds."""
         self.sdp.load_full_state_dict(sd)
 
     def verify_consistency(self):
+        """Raise ConsistencyError unless every piece's owners hold identical values (collective)."""
         self.sdp.verify_consistency()
 
     @torch.no_grad()
     def eval_logits(self, x):
+        """{"full": full-model logits, "ensemble": mean of the subnetworks' logits}; a simulated rank
+        gives {"subnetwork": its own subnetwork's logits}. Logits [B, num_classes] or [B, T, vocab]."""
         if self.sdp.simulated:  # one rank alone: only its own subnetwork can be evaluated
             return {"subnetwork": self.sdp.evaluate(x, modes=("ensemble",))["ensemble"]}
         return self.sdp.evaluate(x, modes=("full", "ensemble"))

@@ -26,6 +26,7 @@ MIB = 2 ** 20
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser of `subnet-plan` (model, preset, width, world size, coverage, level, ...)."""
     p = argparse.ArgumentParser(prog="subnet-plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=("mlp", "resnet", "llama"), default="llama")
@@ -46,10 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
 def sample_input_for(model_name: str, model: nn.Module, seq_len: int = 64, data: str | None = None):
     """(shape, dtype) of one sample `model` reads, for plan_subnetworks(sample_input=...).
 
-    llama: ([1, seq_len], int64) tokens; mlp/plain_mlp: ([1, in_features], param dtype);
+    llama: ([1, seq_len], int64) tokens; hf:DIR (a transformers causal LM): None (its forward
+    cannot be traced on the meta device, so the planner counts FLOPs as 2 x parameters); mlp/plain_mlp: ([1, in_features], param dtype);
     resnet: ([1, in_channels, s, s], param dtype) with s = 8 for --data digits, else 32
     (CIFAR). Raises ValueError for another model name or a non-positive seq_len.
     """
+    if model_name.startswith("hf:"):
+        return None
     if model_name == "llama":
         if not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
@@ -105,6 +109,8 @@ def cost_table(plan, regime: str, shard_shared: bool = False) -> str:
 
 
 def main(argv=None) -> int:
+    """Plan the subnetworks of a model built on the meta device and print the plan, its imbalance and
+    the predicted per-rank costs (optionally the plan JSON to --json); returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.world_size < 1:

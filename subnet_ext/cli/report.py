@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 
 
 def _count(v):
@@ -53,17 +54,17 @@ def summary_row(report: dict, baseline: dict | None = None) -> dict:
 def markdown_table(reports: list[dict], baseline_label: str = "ddp") -> str:
     """One row per run; ratios against the run labelled `baseline_label` (if present)."""
     base = next((r for r in reports if r["label"] == baseline_label), None)
-    kind = reports[0]["task"]
-    qname = "test acc" if kind == "classification" else "eval loss"
+    task = reports[0]["task"]
+    qname = "test acc" if task == "classification" else "eval loss"
     head = (f"| run | {qname} (full) | {qname} (ensemble) | Δ vs {baseline_label} | model state MiB/rank | ×{baseline_label} "
             "| params | grads | optim | activations MiB | comm MiB/step | ×ddp | collectives/step | step ms | ×ddp "
             f"| {reports[0]['throughput_unit']}/s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for rep in reports:
         r = summary_row(rep, base)
-        fmt_q = (lambda v: "n/a" if v is None else (f"{100 * v:.2f}%" if kind == "classification" else f"{v:.4f}"))
+        fmt_q = (lambda v: "n/a" if v is None else (f"{100 * v:.2f}%" if task == "classification" else f"{v:.4f}"))
         delta = r.get("quality_minus_base")
-        delta_s = "n/a" if delta is None else (f"{100 * delta:+.2f} pp" if kind == "classification" else f"{delta:+.4f}")
+        delta_s = "n/a" if delta is None else (f"{100 * delta:+.2f} pp" if task == "classification" else f"{delta:+.4f}")
         ratio = lambda k: "n/a" if r.get(k) is None else f"{r[k]:.3f}"  # noqa: E731
         lines.append(
             f"| {r['run']} | {fmt_q(r['quality'])} | {fmt_q(r['ensemble'])} | {delta_s} | {_mib(r['model_state_bytes'])} "
@@ -74,9 +75,58 @@ def markdown_table(reports: list[dict], baseline_label: str = "ddp") -> str:
         )
     sources = sorted({summary_row(rep)["comm_source"] for rep in reports})
     lines.append("")
+    lines.extend(_training_lines(reports))
     lines.append("Memory: worst rank, bytes of parameters + gradients + optimizer state held by that rank; "
                  "activations: bytes saved for backward in one step (tensor accounting). "
                  "Comm: bytes handed to collectives per step (" + "; ".join(sources) + ").")
+    return "\n".join(lines)
+
+
+def _training_lines(reports: list[dict]) -> list[str]:
+    """One line of optimizer-step settings, or one per run when they differ."""
+    settings = {rep["label"]: rep.get("training") for rep in reports if rep.get("training")}
+    if not settings:
+        return []
+    fmt = lambda t: ", ".join(f"{k} {v}" for k, v in t.items())  # noqa: E731
+    if len({json.dumps(t, sort_keys=True) for t in settings.values()}) == 1:
+        return [f"Training: {fmt(next(iter(settings.values())))}.", ""]
+    return [f"Training ({label}): {fmt(t)}." for label, t in settings.items()] + [""]
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """(mean, sample standard deviation; 0.0 for a single value)."""
+    if not values:
+        raise ValueError("mean_std: no values")
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def seeds_table(by_seed: dict[int, list[dict]], baseline_label: str = "ddp") -> str:
+    """Mean ± std over seeds of each run's quality, and of its paired per-seed difference
+    to the baseline run of the same seed. by_seed: {seed: [report, ...]} (same labels per seed)."""
+    seeds = sorted(by_seed)
+    kind = by_seed[seeds[0]][0]["task"]
+    scale, unit = (100.0, " pp") if kind == "classification" else (1.0, "")
+    qname = "test acc %" if kind == "classification" else "eval loss"
+    quality = {}  # label -> {seed: quality}
+    for seed in seeds:
+        for rep in by_seed[seed]:
+            quality.setdefault(rep["label"], {})[seed] = summary_row(rep)["quality"]
+    lines = [f"| run | {qname} (full), mean ± std | Δ vs {baseline_label} (paired), mean ± std | seeds |",
+             "|---|---|---|---|"]
+    base = quality.get(baseline_label, {})
+    for label, per_seed in quality.items():
+        digits = 2 if kind == "classification" else 4
+        m, s = mean_std([scale * per_seed[k] for k in seeds if k in per_seed])
+        paired = [scale * (per_seed[k] - base[k]) for k in seeds if k in per_seed and k in base]
+        if paired:
+            dm, ds = mean_std(paired)
+            delta = f"{dm:+.{digits}f} ± {ds:.{digits}f}{unit}"
+        else:
+            delta = "n/a"
+        lines.append(f"| {label} | {m:.{digits}f} ± {s:.{digits}f} | {delta} | {len(per_seed)} |")
+    lines.append("")
+    lines.append("std: sample standard deviation over seeds; Δ: the per-seed difference to the "
+                 f"{baseline_label} run of the same seed, then its mean and std.")
     return "\n".join(lines)
 
 

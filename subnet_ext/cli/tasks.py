@@ -23,19 +23,23 @@ class Task:
     """A model builder plus data.
 
     make_model: () -> nn.Module (called under the same seed on every rank).
-    batch: (step, rank, world_size) -> (inputs, targets) for that rank.
+    batch: (step, rank, world_size, micro=0, micro_steps=1) -> (inputs, targets) for that rank:
+        micro-batch `micro` of the `micro_steps` (--grad-accum) of optimizer step `step`, a
+        pure function of those numbers and the seed (a resumed run sees the same batches);
+        with micro_steps=1 it is the step's one batch.
     eval_batches: () -> iterator of (inputs, targets) of the held-out set.
-    kind: "classification" (metric: accuracy) or "language" (metric: loss in nats/token).
+    task_type: "classification" (metric: accuracy) or "language" (metric: loss in nats/token).
     """
 
     name: str
     make_model: Callable[[], torch.nn.Module]
     batch: Callable[[int, int, int], tuple]
     eval_batches: Callable[[], Iterator[tuple]]
-    kind: str
+    task_type: str
     floor: float | None = None  # known entropy floor of the loss, when the source has one
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy (nats) of logits [..., C] against integer targets [...] (flattened)."""
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
     def score(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[float, float, int]:
@@ -46,14 +50,22 @@ class Task:
         return loss, correct, t.numel()
 
 
+def _batch_index(step: int, micro: int, micro_steps: int) -> int:
+    """The position of micro-batch `micro` of optimizer step `step` in the stream of batches."""
+    if not 0 <= micro < micro_steps:
+        raise ValueError(f"micro-batch index must be in [0, {micro_steps}), got {micro}")
+    return step * micro_steps + micro
+
+
 def _classification(name, x_train, y_train, x_test, y_test, make_model, batch_size, seed, eval_batch=512):
     batches = {}
 
-    def batch(step, rank, world):
+    def batch(step, rank, world, micro=0, micro_steps=1):
         key = (rank, world)
         if key not in batches:
             batches[key] = ShardedBatches(x_train, y_train, batch_size, rank=rank, world_size=world, seed=seed)
-        return batches[key].batch_at(step)
+        # Micro-batches walk the epoch's permutation in order, so accumulation sees new samples.
+        return batches[key].batch_at(_batch_index(step, micro, micro_steps))
 
     def eval_batches():
         for i in range(0, len(x_test), eval_batch):
@@ -64,7 +76,8 @@ def _classification(name, x_train, y_train, x_test, y_test, make_model, batch_si
 
 def build_task(data: str, model: str, preset: str | None, batch_size: int, seq_len: int, seed: int,
                width: int | None = None) -> Task:
-    """Task for `--data` (digits | cifar:PATH | synthetic | tokens:PATH) and `--model`.
+    """Task for `--data` (digits | cifar:PATH | synthetic | tokens:PATH) and `--model`
+    (mlp | resnet | llama | hf:DIR, a transformers causal LM's folder: token data only).
 
     Raises:
         ValueError: an unknown data name, or a model that cannot read that data.
@@ -72,8 +85,8 @@ def build_task(data: str, model: str, preset: str | None, batch_size: int, seq_l
     """
     overrides = {} if width is None else {"width": width}
     if data == "digits" or data.startswith("cifar:"):
-        if model == "llama":
-            raise ValueError(f"--model llama needs token data (synthetic or tokens:PATH), got --data {data}")
+        if _is_language_model(model):
+            raise ValueError(f"--model {model} needs token data (synthetic or tokens:PATH), got --data {data}")
         if data == "digits":
             from ..data.digits import load_digits_dataset
 
@@ -97,18 +110,30 @@ def build_task(data: str, model: str, preset: str | None, batch_size: int, seq_l
         make = lambda: build_model(model, preset=preset, **kw)  # noqa: E731
         return _classification(data.split(":")[0], x_tr, y_tr, x_te, y_te, make, batch_size, seed)
     if data == "synthetic" or data.startswith("tokens:"):
-        if model != "llama":
-            raise ValueError(f"token data needs --model llama, got --model {model}")
-        return _language_task(data, preset, batch_size, seq_len, seed)
+        if not _is_language_model(model):
+            raise ValueError(f"token data needs --model llama or hf:DIR, got --model {model}")
+        return _language_task(data, model, preset, batch_size, seq_len, seed)
     raise ValueError(f"--data must be digits, cifar:PATH, synthetic or tokens:PATH, got {data!r}")
 
 
-def _language_task(data, preset, batch_size, seq_len, seed, eval_steps=4):
-    from ..data.tokens import SyntheticTokens, TokenFileDataset
-    from ..models.llama import LLAMA_PRESETS
+def _is_language_model(model: str) -> bool:
+    return model == "llama" or model.startswith("hf:")
 
-    cfg = LLAMA_PRESETS[preset or "tiny"]
-    vocab = cfg.vocab_size
+
+def _language_task(data, model, preset, batch_size, seq_len, seed, eval_steps=4):
+    from ..data.tokens import SyntheticTokens, TokenFileDataset
+
+    if model.startswith("hf:"):
+        from ..models.hf import hf_vocab_size, load_hf_causal_lm
+
+        folder = model.split(":", 1)[1]
+        vocab = hf_vocab_size(folder)
+        make = lambda: load_hf_causal_lm(folder)  # noqa: E731
+    else:
+        from ..models.llama import LLAMA_PRESETS
+
+        vocab = LLAMA_PRESETS[preset or "tiny"].vocab_size
+        make = lambda: build_model("llama", preset=preset or "tiny")  # noqa: E731
     if data == "synthetic":
         train_src = SyntheticTokens(vocab_size=vocab, seq_len=seq_len, seed=seed)
         eval_src = train_src
@@ -119,11 +144,10 @@ def _language_task(data, preset, batch_size, seq_len, seed, eval_steps=4):
             raise FileNotFoundError(f"--data tokens:{path}: no such file (expected a flat uint16 token .bin file)")
         train_src = TokenFileDataset(path, seq_len, vocab_size=vocab)
         eval_src, floor = train_src, None
-    make = lambda: build_model("llama", preset=preset or "tiny")  # noqa: E731
 
-    def batch(step, rank, world):
-        # Distinct streams per (rank, step); the same after a restart.
-        gen = torch.Generator().manual_seed(stream_seed(seed, step, rank))
+    def batch(step, rank, world, micro=0, micro_steps=1):
+        # Distinct streams per (rank, step, micro-batch); the same after a restart.
+        gen = torch.Generator().manual_seed(stream_seed(seed, _batch_index(step, micro, micro_steps), rank))
         return train_src.batch(batch_size, gen)
 
     def eval_batches():

@@ -25,6 +25,7 @@ from torch.autograd import Variable
 from .. import ops
 from ..planning.buckets import Bucket
 from .communicator import Communicator
+from .prepared import PreparedTables
 from ..planning.pieces import Piece
 
 Resolver = Callable[[Piece], tuple]  # piece -> (local tensor, rectangle) on this rank
@@ -41,33 +42,33 @@ class _BucketState:
         self.simulated = simulated
         self.param_pieces = sum(1 for p, _ in self.held if p.is_param)
         self.buffer = None
-        self.tables = {}  # kind -> (representative piece of each tensor slot, segment table, scales)
+        self.tables = {}  # quantity -> (one piece per tensor of the tensor list, segment table, scales)
         self.pending = 0
         self.direct = {}  # piece -> (buffer offset, numel): its gradient is written into the buffer itself
 
-    def table(self, kind: str, resolve: Resolver):
+    def table(self, quantity: str, resolve: Resolver):
         """Which local tensors the held pieces live in, where, and the unpack scale of each
         (1/owner-count; 1 when simulated: "as if every owner held this rank's values").
-        Static per kind, so built once."""
-        if kind not in self.tables:
-            slots, index, rows, scales = [], {}, [], []
+        Static per quantity, so built once."""
+        if quantity not in self.tables:
+            tensor_pieces, tensor_index, rows, scales = [], {}, [], []
             for p, off in self.held:
-                if kind == "gradients" and p in self.direct:
+                if quantity == "gradients" and p in self.direct:
                     continue  # already in the buffer: neither packed nor copied back
                 tensor, (r0, r1, c0, c1) = resolve(p)
-                if id(tensor) not in index:
-                    index[id(tensor)] = len(slots)
-                    slots.append(p)
-                rows.append((index[id(tensor)], r0, r1, c0, c1, off))
+                if id(tensor) not in tensor_index:
+                    tensor_index[id(tensor)] = len(tensor_pieces)
+                    tensor_pieces.append(p)
+                rows.append((tensor_index[id(tensor)], r0, r1, c0, c1, off))
                 scales.append(1.0 if self.simulated else 1.0 / len(p.owners))
             table = torch.tensor(rows, dtype=torch.int64) if rows else torch.empty(0, 6, dtype=torch.int64)
-            self.tables[kind] = (slots, table, torch.tensor(scales, dtype=torch.float32))
-        return self.tables[kind]
+            self.tables[quantity] = (tensor_pieces, table, torch.tensor(scales, dtype=torch.float32))
+        return self.tables[quantity]
 
-    def tensors(self, kind: str, resolve: Resolver):
+    def tensors(self, quantity: str, resolve: Resolver):
         """(local tensors of this step, segment table, scales) of the held pieces."""
-        slots, table, scales = self.table(kind, resolve)
-        return [resolve(p)[0] for p in slots], table, scales
+        tensor_pieces, table, scales = self.table(quantity, resolve)
+        return [resolve(p)[0] for p in tensor_pieces], table, scales
 
     def ensure_buffer(self, device) -> torch.Tensor:
         if self.buffer is None:
@@ -113,9 +114,11 @@ class BucketedAverager:
         self._issued = []
         self._next = 0
         self.issued_during_backward = 0  # buckets issued before the backward ended (overlap)
+        self.prepared = PreparedTables()  # segment tables validated once per layout
 
     @property
     def buffer_bytes(self) -> int:
+        """Bytes of the bucket buffers allocated so far on this rank (alignment gaps included)."""
         return sum(s.buffer.numel() * s.buffer.element_size() for s in self.states if s.buffer is not None)
 
     def buffer_storages(self) -> set:
@@ -197,31 +200,32 @@ class BucketedAverager:
                 self._next += 1
                 self.issued_during_backward += 1
 
-    def finish(self, kind: str = "gradients") -> None:
+    def finish(self, quantity: str = "gradients") -> None:
         """Issue every bucket not issued yet (in order), wait, unpack times 1/owner-count."""
         while self._next < len(self.states):
-            self._issue(self.states[self._next], kind)
+            self._issue(self.states[self._next], quantity)
             self._next += 1
-        for s, kind_issued, pending in self._issued:
+        for s, quantity_issued, pending in self._issued:
             pending.wait()
-            tensors, table, scales = s.tensors(kind_issued, self.resolvers[kind_issued])
+            tensors, table, scales = s.tensors(quantity_issued, self.resolvers[quantity_issued])
             if tensors:
-                ops.unpack_average_(tensors, table, s.buffer, scales)
-            if kind_issued == "gradients" and not self.comm.simulated:
+                key = (id(s), "unpack", quantity_issued)
+                ops.unpack_average_(tensors, self.prepared.get(key, tensors, table, s.buffer, scales), s.buffer)
+            if quantity_issued == "gradients" and not self.comm.simulated:
                 for p, (offset, numel) in s.direct.items():
                     s.buffer.narrow(0, offset, numel).mul_(1.0 / len(p.owners))
         self._issued, self._next = [], 0
 
-    def average_now(self, kind: str) -> None:
-        """Average every held piece of `kind` ("parameters" or "gradients") right away."""
+    def average_now(self, quantity: str) -> None:
+        """Average every held piece's `quantity` ("parameters" or "gradients") right away."""
         self._issued, self._next = [], 0
-        self.finish(kind)
+        self.finish(quantity)
 
-    def _issue(self, s: _BucketState, kind: str) -> None:
+    def _issue(self, s: _BucketState, quantity: str) -> None:
         buffer = s.ensure_buffer(self.device)
         if s.zero_fill:
             buffer.zero_()
-        tensors, table, _ = s.tensors(kind, self.resolvers[kind])
+        tensors, table, _ = s.tensors(quantity, self.resolvers[quantity])
         if tensors:
-            ops.pack_segments(tensors, table, buffer)
-        self._issued.append((s, kind, self.comm.all_reduce(buffer, s.bucket.owners, kind)))
+            ops.pack_segments(tensors, self.prepared.get((id(s), "pack", quantity), tensors, table, buffer), buffer)
+        self._issued.append((s, quantity, self.comm.all_reduce(buffer, s.bucket.owners, quantity)))

@@ -25,14 +25,15 @@ class CommCounter:
     bytes: int = 0
     collectives: int = 0
     steps: int = 0
-    by_kind: dict = field(default_factory=dict)
+    by_quantity: dict = field(default_factory=dict)
 
-    def add(self, kind: str, buffer: torch.Tensor) -> None:
+    def add(self, quantity: str, buffer: torch.Tensor) -> None:
+        """Count one collective on `buffer`: its numel x element size bytes, under `quantity` in by_quantity."""
         n = buffer.numel() * buffer.element_size()
         self.bytes += n
         self.collectives += 1
-        b, c = self.by_kind.get(kind, (0, 0))
-        self.by_kind[kind] = (b + n, c + 1)
+        b, c = self.by_quantity.get(quantity, (0, 0))
+        self.by_quantity[quantity] = (b + n, c + 1)
 
 
 class PendingCollective:
@@ -43,6 +44,7 @@ class PendingCollective:
         self.work, self.operation, self.group, self.timeout = work, operation, group, timeout
 
     def wait(self) -> None:
+        """Block until the collective completes; raise collectives.CollectiveError on failure or timeout."""
         if self.work is not None:
             collectives.wait(self.work, self.operation, self.group, self.timeout)
 
@@ -85,18 +87,18 @@ class Communicator:
     def _global(self, rank: int) -> int:
         return rank if self.process_group is None else dist.get_global_rank(self.process_group, rank)
 
-    def all_reduce(self, buffer: torch.Tensor, owners: tuple, kind: str) -> PendingCollective:
+    def all_reduce(self, buffer: torch.Tensor, owners: tuple, quantity: str) -> PendingCollective:
         """Asynchronous sum of `buffer` over `owners` (in place)."""
-        self.counter.add(kind, buffer)
+        self.counter.add(quantity, buffer)
         work = dist.all_reduce(buffer, group=self.groups[owners], async_op=True)
-        return PendingCollective(work, f"all_reduce of {kind}", collectives.describe_group(owners, self.world_size),
-                                 self.timeout)
+        return PendingCollective(work, f"all_reduce of {quantity}",
+                                 collectives.describe_group(owners, self.world_size), self.timeout)
 
-    def broadcast(self, buffer: torch.Tensor, src: int, kind: str) -> None:
+    def broadcast(self, buffer: torch.Tensor, src: int, quantity: str) -> None:
         """Synchronous broadcast of `buffer` from plan rank `src` to every rank."""
-        self.counter.add(kind, buffer)
+        self.counter.add(quantity, buffer)
         work = dist.broadcast(buffer, src=self._global(src), group=self.process_group, async_op=True)
-        collectives.wait(work, f"broadcast of {kind} from rank {src}",
+        collectives.wait(work, f"broadcast of {quantity} from rank {src}",
                          collectives.describe_group(range(self.world_size), self.world_size), self.timeout)
 
 
@@ -113,9 +115,11 @@ class SimulatedCommunicator(Communicator):
         self.world_size, self.rank, self.process_group, self.counter = world_size, rank, None, counter
         self.timeout, self.groups = None, {}
 
-    def all_reduce(self, buffer, owners, kind):
-        self.counter.add(kind, buffer)
-        return PendingCollective(None, f"all_reduce of {kind}", "", None)
+    def all_reduce(self, buffer, owners, quantity):
+        """Count the bytes of `buffer`; no communication (the buffer keeps this rank's values)."""
+        self.counter.add(quantity, buffer)
+        return PendingCollective(None, f"all_reduce of {quantity}", "", None)
 
-    def broadcast(self, buffer, src, kind):
-        self.counter.add(kind, buffer)
+    def broadcast(self, buffer, src, quantity):
+        """Count the bytes of `buffer`; no communication (the buffer keeps this rank's values)."""
+        self.counter.add(quantity, buffer)

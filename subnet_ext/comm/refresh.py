@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops
+from .prepared import PreparedTables
 from .communicator import Communicator
 from ..planning.pieces import Piece
 from .averaging import Resolver
@@ -28,9 +29,10 @@ class CopyRefresher:
     """
 
     def __init__(self, pieces: list[Piece], rank: int, world_size: int, resolve: Resolver, comm: Communicator,
-                 kind: str = "refresh"):
-        self.rank, self.resolve, self.comm, self.kind = rank, resolve, comm, kind
-        self.broadcasts = []  # (leader, representative piece per tensor slot, table, rows to copy, total)
+                 quantity: str = "refresh"):
+        self.rank, self.resolve, self.comm, self.quantity = rank, resolve, comm, quantity
+        self.broadcasts = []  # (leader, one piece per tensor of the tensor list, table, rows to copy, total)
+        self.prepared = PreparedTables()  # segment tables validated once per layout
         if world_size == 1:
             return
         for leader in range(world_size):
@@ -40,22 +42,23 @@ class CopyRefresher:
                     tensor, rect = resolve(p)
                     by_dtype.setdefault(tensor.dtype, []).append((p, tensor, rect))
             for items in by_dtype.values():
-                slots, index, rects = [], {}, []
+                tensor_pieces, tensor_index, rects = [], {}, []
                 for p, t, rect in items:
-                    if id(t) not in index:
-                        index[id(t)] = len(slots)
-                        slots.append(p)
-                    rects.append((index[id(t)], *rect))
+                    if id(t) not in tensor_index:
+                        tensor_index[id(t)] = len(tensor_pieces)
+                        tensor_pieces.append(p)
+                    rects.append((tensor_index[id(t)], *rect))
                 table, total = ops.segment_table(rects)
                 keep = [i for i, (p, _, _) in enumerate(items) if rank not in p.owners]
-                self.broadcasts.append((leader, slots, table, table[keep], total))
+                self.broadcasts.append((leader, tensor_pieces, table, table[keep], total))
 
     def __call__(self) -> None:
-        for leader, slots, table, keep_table, total in self.broadcasts:
-            tensors = [self.resolve(p)[0] for p in slots]
+        for i, (leader, tensor_pieces, table, keep_table, total) in enumerate(self.broadcasts):
+            tensors = [self.resolve(p)[0] for p in tensor_pieces]
             buffer = torch.empty(total, dtype=tensors[0].dtype, device=tensors[0].device)
             if self.rank == leader:
-                ops.pack_segments(tensors, table, buffer)
-            self.comm.broadcast(buffer, leader, self.kind)
+                ops.pack_segments(tensors, self.prepared.get((i, "pack"), tensors, table, buffer), buffer)
+            self.comm.broadcast(buffer, leader, self.quantity)
             if len(keep_table) and not self.comm.simulated:
-                ops.unpack_average_(tensors, keep_table, buffer, torch.ones(len(keep_table), dtype=torch.float32))
+                ones = torch.ones(len(keep_table), dtype=torch.float32)
+                ops.unpack_average_(tensors, self.prepared.get((i, "unpack"), tensors, keep_table, buffer, ones), buffer)

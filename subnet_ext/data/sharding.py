@@ -22,6 +22,8 @@ class ShardedBatches:
         self._epoch, self._perm = None, None
 
     def batch_at(self, step: int):
+        """(x[idx], y[idx]) of this rank's batch at `step`: batch_size rows of the epoch's permutation
+        (x: [batch_size, ...], y: [batch_size])."""
         epoch, i = divmod(step, self.per_epoch)
         if epoch != self._epoch:
             self._epoch = epoch

@@ -29,6 +29,8 @@ class SyntheticTokens:
         self.entropy_rate_nats = float(-(self.probs * self.probs.log()).sum())
 
     def batch(self, batch_size: int, generator: torch.Generator):
+        """batch_size random sequences of the Markov chain: (inputs int64 [B, T], targets int64 [B, T]),
+        targets being inputs shifted by one token; T = seq_len."""
         t = self.seq_len + 1
         seq = torch.empty(batch_size, t, dtype=torch.int64)
         seq[:, 0] = torch.randint(0, self.vocab_size, (batch_size,), generator=generator)
@@ -64,6 +66,8 @@ class TokenFileDataset:
         self.seq_len = seq_len
 
     def batch(self, batch_size: int, generator: torch.Generator):
+        """batch_size random windows of seq_len + 1 tokens: (inputs int64 [B, T], targets int64 [B, T]),
+        targets being inputs shifted by one token; T = seq_len."""
         starts = torch.randint(0, len(self.tokens) - self.seq_len, (batch_size,), generator=generator)
         rows = np.stack([np.asarray(self.tokens[s:s + self.seq_len + 1], dtype=np.int64) for s in starts.tolist()])
         seq = torch.from_numpy(rows)

@@ -18,14 +18,13 @@ refreshed values and the full forward uses them. All of these issue
 collectives in one global order, so they cannot deadlock.
 
 With shard_shared=True (sharding.py) the plan's shared parameters are DTensor shards
-managed by torch's FSDP2 (all-gathered for the forward and again for the backward,
-gradients reduce-scattered as the mean over the world, optimizer state sharded); the
-buckets then hold the units only. Not with simulate_rank, sync_every > 1 or close().
+managed by torch's FSDP2 (all-gathered before the forward and kept until the end of the
+backward, gradients reduce-scattered as the mean over the world, optimizer state sharded);
+the buckets then hold the units only. Not with simulate_rank, sync_every > 1 or close().
 """
 from __future__ import annotations
 
 import contextlib
-import copy
 import weakref
 
 import torch
@@ -39,22 +38,20 @@ from ..planning.buckets import DEFAULT_BUCKET_CAP_MB, build_buckets
 from ..comm.communicator import CommCounter, Communicator, SimulatedCommunicator
 from ..comm import collectives
 from ..state import consistency
-from . import guard, reports
+from . import clipping, evaluation, guard, reports
 from ..state import optim_state
 from ..comm.collectives import as_timedelta
 from ..planning.costs import DEFAULT_LATENCY_BYTES, choose_strategy
 from ..planning.pieces import global_pieces
 from ..planning.sharding import communicated_pieces
 from ..planning.plan import SubnetPlan, model_fingerprint
-from ..state.aliases import retie, with_aliases, without_aliases
+from ..state.aliases import with_aliases, without_aliases
 from ..state.assembly import assemble, load_pieces
 from ..state.layout import RankLayout
-from .restore import restore_structure
-from .setup import REGIMES, SCALES, check_arguments, meta_skeleton, weak_call, world_and_rank  # noqa: F401
+from .restore import meta_skeleton, restore_structure
+from .setup import REGIMES, SCALES, check_arguments, weak_call, world_and_rank  # noqa: F401
 from .sharding import SharedShards
 from .surgery import attach_direct_gradients, materialise_forward, prepare_backward
-
-
 
 class SubnetDataParallel(nn.Module):
     """Wraps `model` (modified in place) so this rank trains its subnetwork of `plan`.
@@ -122,6 +119,7 @@ class SubnetDataParallel(nn.Module):
         self.pieces, self.local_start = self.layout.pieces, self.layout.local_start
         self.integer_entries = self.layout.integer_entries
         self.shared_shards = SharedShards(model, self.layout, process_group, self.device) if shard_shared else None
+
         self._trainable = [p for p in model.parameters() if p.requires_grad]
         self._trainable_ids = {id(p) for p in self._trainable}
         self._setup_communication(strategy, latency_bytes, bucket_cap_mb * 2**20, overlap, timeout)
@@ -206,6 +204,8 @@ class SubnetDataParallel(nn.Module):
 
     # ------------------------------------------------------------------ public API
     def forward(self, *args, **kwargs):
+        """Run this rank's subnetwork (the wrapped model, with its skipped blocks and sliced units)
+        on the inputs; same arguments and output shapes as the unwrapped model."""
         self._check_open("forward")
         out = self.module(*args, **kwargs)
         if self.shared_shards is not None and not torch.is_grad_enabled():
@@ -283,44 +283,35 @@ class SubnetDataParallel(nn.Module):
         self._check_open("gradients_finite")
         return guard.gradients_finite(self._trainable, self.process_group, self.timeout)
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
+        """Clip gradients by the norm of the whole model's synchronised gradient (as FSDP's
+        method); returns that norm (0-d), the same on every rank. Collective; call it after
+        backward, before optimizer.step(). With sync_every > 1 it clips each rank by its own
+        gradients' norm (local SGD). See clipping.py."""
+        return clipping.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite, foreach)
+
     def full_model(self) -> nn.Module:
-        """A new, unmasked model holding the assembled full state (collective)."""
+        """A new, unmasked model holding the assembled full state, ties kept (collective)."""
         self._check_open("full_model")
-        model = copy.deepcopy(self._skeleton)
-        canonical = without_aliases(self.plan, self.full_state_dict())
-        missing, unexpected = model.load_state_dict(canonical, assign=True, strict=False)
-        if sorted(missing) != sorted(self.plan.aliases) or unexpected:  # assign=True would untie an alias
-            raise RuntimeError(f"subnet_ext: full_model() could not load {missing} / {unexpected}")
-        retie(self.plan, model)
-        return model
+        return evaluation.full_model(self._skeleton, self.plan, self.full_state_dict())
 
     @torch.no_grad()
     def evaluate(self, *inputs, modes=("full", "ensemble")) -> dict:
         """{"full": the union of subnetworks' output, "ensemble": mean of the ranks' subnetwork
-        outputs (one all-reduce)}. Collective; runs in eval mode and restores the mode."""
+        outputs (one all-reduce)}, each float32 [*, out]. Collective; runs in eval mode and
+        restores the mode."""
         self._check_open("evaluate")
         bad = [m for m in modes if m not in ("full", "ensemble")]
         if bad:
             raise ValueError(f"evaluate modes must be 'full' and/or 'ensemble', got {bad}")
         if "full" in modes:
             self._refuse_if_simulated("evaluate(modes=('full', ...))")
-        was_training = self.module.training
-        self.module.eval()
-        out = {}
-        try:
-            if "ensemble" in modes:
-                y = self.forward(*inputs).float()
-                if self.world_size > 1 and not self.simulated:  # simulated: this rank's subnetwork alone
-                    collectives.all_reduce(y, self.process_group, timeout=self.timeout)
-                    y /= self.world_size
-                out["ensemble"] = y
-            if "full" in modes:
-                skeleton = self._skeleton.eval()
-                # Canonical names only: functional_call ties an alias to its canonical value.
-                canonical = without_aliases(self.plan, self.full_state_dict())
-                out["full"] = torch.func.functional_call(skeleton, canonical, inputs).float()
-        finally:
-            self.module.train(was_training)
+        communicate = self.world_size > 1 and not self.simulated  # simulated: its own subnetwork alone
+        out = evaluation.evaluate(self.module, self._skeleton, self.plan, inputs, modes, self.full_state_dict,
+                                  mean_over=(communicate, self.process_group, self.world_size, self.timeout))
+        if self.shared_shards is not None:
+            self.shared_shards.module.reshard()  # the no-grad forward left them gathered
         return out
 
     def _refuse_if_simulated(self, what: str) -> None:
@@ -355,6 +346,7 @@ class SubnetDataParallel(nn.Module):
                                                    self.shared_shards is not None)
 
     def extra_repr(self) -> str:
+        """regime, level, rank/world size, coverage, sync period and bucket strategy, for repr()."""
         return (f"regime={self.regime!r}, level={self.plan.level!r}, rank={self.rank}/{self.world_size}, "
                 f"coverage={self.plan.coverage}, sync_every={self.sync_every}, strategy={self.strategy!r}, "
                 f"shard_shared={self.shared_shards is not None}")

@@ -81,6 +81,7 @@ class NonFiniteGuard:
 
     @property
     def skipped(self) -> int:
+        """Number of optimizer steps skipped for non-finite gradients so far."""
         return len(self.skipped_steps)
 
     def should_step(self, parameters: Iterable[torch.Tensor], step: int | None = None) -> bool:

@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from ..planning.costs import predicted_comm
 from ..planning.sharding import predicted_fsdp_comm, predicted_sharded_model_state
-from ..state.slots import local_tensor
+from ..state.held_pieces import local_tensor
 
 
 def comm_stats(counter, plan, rank: int, strategy: str, strategy_costs, regime: str, bucket_cap_bytes: float,
@@ -26,7 +26,7 @@ def comm_stats(counter, plan, rank: int, strategy: str, strategy_costs, regime: 
         "strategy": strategy, "strategy_costs": strategy_costs, "steps": counter.steps,
         "bytes": counter.bytes, "collectives": counter.collectives,
         "bytes_per_step": counter.bytes / steps, "collectives_per_step": counter.collectives / steps,
-        "by_kind": dict(counter.by_kind),
+        "by_quantity": dict(counter.by_quantity),
         "predicted_per_sync": predicted_comm(plan, rank, strategy, regime, bucket_cap_bytes,
                                              shard_shared=shard_shared),
         "fsdp": predicted_fsdp_comm(plan) if shard_shared else None,

@@ -90,3 +90,16 @@ def restore_structure(model: nn.Module, skeleton: nn.Module, device: torch.devic
     for path, original in skeleton.named_modules():
         if not any(path == r or path.startswith(r + ".") for r in replaced):
             _restore_module(model.get_submodule(path), original, device)
+
+
+def meta_skeleton(model: nn.Module) -> nn.Module:
+    """A copy of the model whose parameters and persistent buffers live on the meta device
+    (no memory); non-persistent buffers (e.g. rotary tables) are real copies."""
+    memo = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for m in model.modules():
+        for n, b in m._buffers.items():
+            if b is not None and n not in m._non_persistent_buffers_set:
+                memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(model, memo)

@@ -1,28 +1,12 @@
-"""Small pieces of SubnetDataParallel's set-up: the meta skeleton of the user's model, the
-(world size, rank) the engine runs as, and hooks that hold the engine weakly."""
+"""Small pieces of SubnetDataParallel's set-up: argument checks, the (world size, rank) the
+engine runs as, and hooks that hold the engine weakly."""
 from __future__ import annotations
-
-import copy
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from ..planning.plan import SubnetPlan
 from .sharding import check_shard_shared
-
-
-def meta_skeleton(model: nn.Module) -> nn.Module:
-    """A copy of the model whose parameters and persistent buffers live on the meta device
-    (no memory); non-persistent buffers (e.g. rotary tables) are real copies."""
-    memo = {}
-    for p in model.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-    for m in model.modules():
-        for n, b in m._buffers.items():
-            if b is not None and n not in m._non_persistent_buffers_set:
-                memo[id(b)] = torch.empty_like(b, device="meta")
-    return copy.deepcopy(model, memo)
 
 
 def world_and_rank(plan: SubnetPlan, process_group, simulate_rank) -> tuple[int, int]:

@@ -20,39 +20,85 @@ import torch
 import torch.nn as nn
 
 from .. import ops
+from ..ops.autocast import autocast_dtype, cast_to
 from ..planning.pieces import Piece, owned_indices
+from ..planning.residual import skip_path
 from .owned_conv import install_owned_conv
 
 
 def split_name(name: str) -> tuple[str, str]:
+    """('a.b', 'c') for 'a.b.c': the module path and the leaf attribute of a dotted name."""
     path, _, leaf = name.rpartition(".")
     return path, leaf
 
 
 class SkippedBlock(nn.Module):
-    """What a rank runs for a block it does not own: the residual path only.
+    """What a rank runs for a block it does not own: the block's skip path only.
 
     skip="identity": returns its input (pre-norm transformer and MLP blocks).
-    skip="shortcut": relu(downsample(x)) or relu(x), the ResNet block without its branch;
-    the shortcut projection is kept (shared), so a shape-changing block stays maskable.
+    skip="shortcut" / "shortcut_relu": shortcut(x), or relu(shortcut(x)) for blocks that
+    apply a ReLU after the residual sum; the shortcut is the skip path traced from the
+    block (planning/residual.py), its modules kept (shared) under their own names, so a
+    shape-changing block stays maskable and its checkpoint names do not move.
+
+    x: the block's input [B, C, ...] (further arguments, e.g. masks, are ignored);
+    returns the skip output (same shape as the block's output).
     """
 
     def __init__(self, block: nn.Module, skip: str):
         super().__init__()
         self.skip = skip
-        ds = getattr(block, "downsample", None)
-        self.downsample = ds if (skip == "shortcut" and isinstance(ds, nn.Module)) else None
+        self._skip_forward = None
+        if skip != "identity":
+            path = skip_path(block)
+            if path.traced and path.mode != skip:
+                raise ValueError(f"SkippedBlock: the plan says skip={skip!r} for a {type(block).__name__}, "
+                                 f"but the block computes {path.mode!r}: the plan was made for another model")
+            for name in path.modules:
+                setattr(self, name, getattr(block, name))
+            self._skip_forward = path.forward
         if isinstance(block, nn.TransformerEncoderLayer):
             # nn.TransformerEncoder reads layers[0].self_attn.batch_first before running.
-            self.self_attn = types.SimpleNamespace(batch_first=block.self_attn.batch_first)
+            self._batch_first = types.SimpleNamespace(batch_first=block.self_attn.batch_first)
+        self._fast_path_source = ()  # see stand_in_for_skipped_first_layers
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            source = self.__dict__.get("_fast_path_source")
+            if source:
+                return getattr(source[0], name)
+            if name == "self_attn" and "_batch_first" in self.__dict__:
+                return self.__dict__["_batch_first"]
+            raise
 
     def forward(self, x, *args, **kwargs):
-        if self.skip == "shortcut":
-            return torch.relu(self.downsample(x) if self.downsample is not None else x)
+        """The skip path's output for x (the block's input; extra arguments ignored): x itself for
+        skip="identity", else shortcut(x) or relu(shortcut(x)), shaped as the block's output."""
+        if self._skip_forward is not None:
+            return self._skip_forward(self, x)
         return x
 
     def extra_repr(self) -> str:
+        """The skip mode, for repr()."""
         return f"skip={self.skip!r}"
+
+
+def stand_in_for_skipped_first_layers(model: nn.Module) -> None:
+    """nn.TransformerEncoder decides its nested-tensor fast path (eval with a padding mask)
+    by reading layers[0]'s attention and norm weights. When a rank skips layer 0, the stub
+    answers those reads with the first layer it does run, so the encoder decides exactly as
+    the encoder made of this rank's layers would; the stub itself passes the (nested) input
+    through. An encoder whose every layer is skipped takes the slow path."""
+    for encoder in model.modules():
+        if not isinstance(encoder, nn.TransformerEncoder) or not isinstance(encoder.layers[0], SkippedBlock):
+            continue
+        run = [layer for layer in encoder.layers if not isinstance(layer, SkippedBlock)]
+        if run:
+            encoder.layers[0].__dict__["_fast_path_source"] = (run[0],)
+        else:
+            encoder.use_nested_tensor = False
 
 
 _WIDTH_ATTRS = {0: ("out_features", "out_channels", "num_features", "normalized_shape"),
@@ -85,6 +131,21 @@ class _InverseScale:
         return (args[0] * self.factor,) + tuple(args[1:])
 
 
+def _fix_head_attrs(attn: nn.Module, units: int, kept: int) -> None:
+    """Attention modules that reshape by their head count (GPT-2's split_size, timm's
+    num_heads and attn_dim) must see the kept heads. units: heads (or kv heads) in the full
+    group; kept: those this rank holds."""
+    heads = getattr(attn, "num_heads", None)
+    head_dim = getattr(attn, "head_dim", None)
+    if not isinstance(heads, int) or not isinstance(head_dim, int) or heads % units:
+        return
+    new_heads = kept * (heads // units)
+    for attr in ("split_size", "attn_dim"):
+        if getattr(attn, attr, None) == heads * head_dim:
+            setattr(attn, attr, new_heads * head_dim)
+    attn.num_heads = new_heads
+
+
 def materialise_forward(model: nn.Module, plan, pieces: list[Piece], rank: int, scale: str) -> list:
     """Forward regime, in place. Returns the hook handles it installed (scale="inverse")."""
     if plan.level == "block":
@@ -93,18 +154,26 @@ def materialise_forward(model: nn.Module, plan, pieces: list[Piece], rank: int, 
                 path, leaf = split_name(g.path)
                 parent = model.get_submodule(path)
                 setattr(parent, leaf, SkippedBlock(parent.get_submodule(leaf), g.skip))
+        stand_in_for_skipped_first_layers(model)
         return []
     handles = []
     for g, (a, b) in zip(plan.groups, plan.unit_ranges):
-        for m in g.members:
-            dim, idx = owned_indices(pieces, rank, m.name)
-            full = model.get_parameter(m.name) if not m.buffer else model.get_buffer(m.name)
+        kept = int(plan.owners[rank, a:b].sum())
+        for name in dict.fromkeys(m.name for m in g.members):  # a fused tensor is listed once per block
+            dim, idx = owned_indices(pieces, rank, name)
+            buffer = not any(m.name == name and not m.buffer for m in g.members)
+            full = model.get_parameter(name) if not buffer else model.get_buffer(name)
             with torch.no_grad():
                 compact = full.detach().index_select(dim, idx.to(full.device)).contiguous()
-            _replace(model, m.name, compact)
-            _fix_width_attrs(model.get_submodule(split_name(m.name)[0]), dim, compact.shape[dim])
+            _replace(model, name, compact)
+            module = model.get_submodule(split_name(name)[0])
+            if type(module).__name__ == "Conv1D":  # weight [in, out]: nf outputs, nx inputs
+                module.nx, module.nf = module.weight.shape
+            else:
+                _fix_width_attrs(module, dim, compact.shape[dim])
+        if g.kind == "head":
+            _fix_head_attrs(model.get_submodule(g.path), g.size, kept)
         if scale == "inverse":
-            kept = int(plan.owners[rank, a:b].sum())
             for c in g.consumers:
                 handles.append(model.get_submodule(c).register_forward_pre_hook(_InverseScale(g.size / kept)))
     return handles
@@ -122,10 +191,14 @@ class DirectGradient:
         """Add one use's weight gradient (g2 [N, out], x2 [N, in]) into the bucket view;
         readiness is reported only after the last use of this forward (weight sharing)."""
         grad = self.param.grad
+        if g2.dtype != self.view.dtype:  # autocast: half operands, gradient accumulated in the bucket's dtype
+            g2, x2 = g2.to(self.view.dtype), x2.to(self.view.dtype)
         if grad is not None and grad.data_ptr() != self.view.data_ptr():
             self.view.copy_(grad)  # a gradient put there by someone else: keep accumulating onto it
+        # The indices come from the plan (distinct, in range, on the device): no re-validation,
+        # which on CUDA would copy them to the host and synchronise at every layer.
         ops.masked_linear_grad_weight_(self.view, g2, x2, rows, cols, grad_out_full=True,
-                                       accumulate=grad is not None)
+                                       accumulate=grad is not None, check_indices=False)
         self.param.grad = self.view
         if last_use:
             self.ready(self.piece)
@@ -173,10 +246,14 @@ class _OwnedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, dim, idx, splits, direct, n_weight_views, use_count, *views):
+        # Under autocast run (and save) the operands in autocast's dtype, as nn.Linear does,
+        # so the backward's operands share one dtype; autograd casts the gradients back.
+        ctx.bias_is_param = bias is not None and bias.requires_grad  # before the cast (a non-leaf copy)
+        dtype = autocast_dtype(weight)
+        x, weight, bias = cast_to(x, dtype), cast_to(weight, dtype), cast_to(bias, dtype)
         ctx.save_for_backward(x, weight, idx)
         ctx.dim, ctx.splits, ctx.direct, ctx.n_weight_views = dim, splits, direct, n_weight_views
         ctx.use_count = use_count
-        ctx.bias_is_param = bias is not None and bias.requires_grad
         return torch.nn.functional.linear(x, weight, bias)
 
     @staticmethod
@@ -192,7 +269,7 @@ class _OwnedLinearFunction(torch.autograd.Function):
         last_use = ctx.use_count is None or ctx.use_count.backward_ran()
         gx, gw, gb = ops.masked_linear_backward(
             g2, x2, weight, rows, cols, compact_weight=False, grad_out_full=True, dense_grad_input=True,
-            output_mask=(ctx.needs_input_grad[0], not any_direct, owned_bias))
+            output_mask=(ctx.needs_input_grad[0], not any_direct, owned_bias), check_indices=False)
         if not any_direct:
             grads = list(gw.split(ctx.splits, dim=ctx.dim))
         else:
@@ -205,7 +282,7 @@ class _OwnedLinearFunction(torch.autograd.Function):
                 else:
                     grads.append(ops.masked_linear_backward(
                         g2, x2, weight, r, c, grad_out_full=True, dense_grad_input=True,
-                        output_mask=(False, True, False))[1])
+                        output_mask=(False, True, False), check_indices=False)[1])
         if owned_bias:
             grads += list(gb.split(ctx.splits))
         grad_x = gx.reshape(x.shape) if gx is not None else None

@@ -17,6 +17,9 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True)
 class LlamaConfig:
+    """Shape of a LLaMA-style model: vocabulary, hidden width, MLP width, layers, query and
+    key/value heads, head_dim; rope_theta, RMSNorm eps, maximum positions, tied embeddings."""
+
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -30,6 +33,7 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
 
     def num_parameters(self) -> int:
+        """Number of parameters (embeddings, lm_head unless tied, layers, final norm)."""
         h, i, hd = self.hidden_size, self.intermediate_size, self.head_dim
         attn = h * hd * (2 * self.num_attention_heads + 2 * self.num_key_value_heads)
         layer = attn + 3 * h * i + 2 * h
@@ -54,12 +58,15 @@ LLAMA_PRESETS = {
 
 
 class RMSNorm(nn.Module):
+    """x * rsqrt(mean(x^2, -1) + eps) * weight, computed in float32; weight: [dim]."""
+
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., dim] -> [..., dim], same dtype as x."""
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
@@ -78,12 +85,15 @@ class Rotary(nn.Module):
                              persistent=False)
 
     def forward(self, t: int, device, dtype):
+        """(cos, sin) tables, each [t, head_dim] in `dtype` on `device`, for positions 0 .. t-1."""
         freqs = torch.outer(torch.arange(t, device=device, dtype=torch.float32), self.inv_freq.to(device))
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 class LlamaAttention(nn.Module):
+    """Causal grouped-query attention with rotary embeddings (q/k/v/o projections, no bias)."""
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.head_dim = cfg.head_dim
@@ -94,6 +104,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_attention_heads * hd, h, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, hidden], cos/sin: [T, head_dim] -> [B, T, hidden]; head counts read from
+        the (possibly sliced) projection shapes."""
         b, t, _ = x.shape
         hd = self.head_dim
         n_heads, n_kv = self.q_proj.weight.shape[0] // hd, self.k_proj.weight.shape[0] // hd
@@ -109,6 +121,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    """Gated MLP: down_proj(silu(gate_proj(x)) * up_proj(x))."""
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
@@ -116,6 +130,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, hidden] -> [B, T, hidden] (the intermediate width may be sliced)."""
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -130,11 +145,14 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, hidden], cos/sin: [T, head_dim] -> [B, T, hidden]."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaModel(nn.Module):
+    """Token embedding, decoder layers and final RMSNorm (no lm_head)."""
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -143,6 +161,7 @@ class LlamaModel(nn.Module):
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids int64 [B, T] -> hidden states [B, T, hidden]."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(input_ids.shape[1], x.device, x.dtype)
         for layer in self.layers:
@@ -168,4 +187,5 @@ class LlamaForCausalLM(nn.Module):
             nn.init.normal_(m.weight, std=0.02)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids int64 [B, T] -> logits [B, T, vocab_size]."""
         return self.lm_head(self.model(input_ids))

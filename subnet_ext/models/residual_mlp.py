@@ -18,6 +18,7 @@ class ResidualMLPBlock(nn.Module):
         self.fc2 = nn.Linear(hidden, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, width] -> [B, width]."""
         return x + self.fc2(self.act(self.fc1(self.norm(x))))
 
 
@@ -33,6 +34,7 @@ class ResidualMLP(nn.Module):
         self.head = nn.Linear(width, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, in_features] (or [B, ...], flattened) -> logits [B, num_classes]."""
         x = self.stem(x.flatten(1))
         for block in self.blocks:
             x = block(x)

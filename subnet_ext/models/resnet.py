@@ -14,6 +14,8 @@ def _conv3x3(cin, cout, stride=1):
 
 
 class BasicBlock(nn.Module):
+    """Two 3x3 conv-BN layers plus a shortcut (identity or `downsample`), ReLU after the sum."""
+
     expansion = 1
 
     def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: nn.Module | None = None):
@@ -27,12 +29,15 @@ class BasicBlock(nn.Module):
         self.stride = stride
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, inplanes, H, W] -> [B, planes, H/stride, W/stride]."""
         identity = x if self.downsample is None else self.downsample(x)
         out = self.relu(self.bn1(self.conv1(x)))
         return self.relu(self.bn2(self.conv2(out)) + identity)
 
 
 class Bottleneck(nn.Module):
+    """1x1, 3x3 (strided), 1x1 conv-BN layers (planes -> 4 x planes) plus a shortcut, ReLU after the sum."""
+
     expansion = 4
 
     def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: nn.Module | None = None):
@@ -48,6 +53,7 @@ class Bottleneck(nn.Module):
         self.stride = stride
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, inplanes, H, W] -> [B, 4 * planes, H/stride, W/stride]."""
         identity = x if self.downsample is None else self.downsample(x)
         out = self.relu(self.bn1(self.conv1(x)))
         out = self.relu(self.bn2(self.conv2(out)))
@@ -81,10 +87,12 @@ class ResNet(nn.Module):
         return nn.Sequential(*layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, in_channels, H, W] -> logits [B, num_classes]."""
         x = self.relu(self.bn1(self.conv1(x)))
         x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
         return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
 def resnet18(num_classes: int = 10, in_channels: int = 3, width: int = 64) -> ResNet:
+    """ResNet-18 (BasicBlock, [2, 2, 2, 2]) with stage widths width .. 8 x width."""
     return ResNet(BasicBlock, [2, 2, 2, 2], num_classes, in_channels, width)

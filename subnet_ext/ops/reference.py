@@ -11,6 +11,11 @@ from typing import Optional, Sequence
 import torch
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """[*, w] as [N, w], N the product of the leading sizes (reshape(-1, 0) is ambiguous)."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+
+
 def _all(n: int, device) -> torch.Tensor:
     return torch.arange(n, device=device)
 
@@ -52,7 +57,7 @@ def masked_linear_forward(x, weight, bias=None, out_idx=None, in_idx=None, *, co
                           scatter_width=None):
     """Reference of the `masked_linear_forward` op: (y, x_kept [N, |S|] | [0], W_RS | [0])."""
     y = masked_linear(x, weight, bias, out_idx, in_idx, compact_weight=compact_weight, scatter_width=scatter_width)
-    x_kept = x.reshape(-1, x.shape[-1])[:, in_idx] if in_idx is not None else x.new_empty(0)
+    x_kept = _rows(x)[:, in_idx] if in_idx is not None else x.new_empty(0)
     gathered = not compact_weight and (out_idx is not None or in_idx is not None)
     block = _block(weight, out_idx, in_idx, False) if gathered else x.new_empty(0)
     return y, x_kept, block
@@ -72,8 +77,8 @@ def masked_linear_backward(
 ):
     """Reference of `ops.masked_linear_backward`: (grad_x, compact grad_weight, grad_bias)."""
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    g = grad_out.reshape(-1, grad_out.shape[-1]).to(acc)
-    x2 = x.reshape(-1, x.shape[-1]).to(acc)
+    g = _rows(grad_out).to(acc)
+    x2 = _rows(x).to(acc)
     g_kept = g[:, out_idx] if (grad_out_full and out_idx is not None) else g
     xs = x2 if in_idx is None else x2[:, in_idx]
     w = _block(weight, out_idx, in_idx, compact_weight).to(acc)
@@ -95,8 +100,8 @@ def masked_linear_backward(
 def masked_linear_grad_weight_(out, grad_out, x, out_idx=None, in_idx=None, *, grad_out_full=False, accumulate=False):
     """Reference of `ops.masked_linear_grad_weight_` (in place on out)."""
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    g = grad_out.reshape(-1, grad_out.shape[-1]).to(acc)
-    x2 = x.reshape(-1, x.shape[-1]).to(acc)
+    g = _rows(grad_out).to(acc)
+    x2 = _rows(x).to(acc)
     g_kept = g[:, out_idx] if (grad_out_full and out_idx is not None) else g
     xs = x2 if in_idx is None else x2[:, in_idx]
     block = g_kept.t() @ xs

@@ -53,6 +53,7 @@ class Bucket:
 
     @property
     def element_size(self) -> int:
+        """Bytes per element of the bucket's dtype."""
         return torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
 
     @property
@@ -70,6 +71,7 @@ class Bucket:
 
 
 def piece_numel(plan, piece: Piece) -> int:
+    """Elements of `piece` in `plan`: the area of its full rectangle."""
     r0, r1, c0, c1 = full_rectangle(plan, piece)
     return (r1 - r0) * (c1 - c0)
 

@@ -61,7 +61,7 @@ def global_pieces(plan: SubnetPlan) -> list[Piece]:
                 e = j
                 while e + 1 < g.size and owner_sets[a + e + 1] == owner_sets[a + j]:
                     e += 1
-                pieces.append(Piece(m.name, tuple(range(a + j, a + e + 1)), m.dim, j * m.width,
+                pieces.append(Piece(m.name, tuple(range(a + j, a + e + 1)), m.dim, m.offset + j * m.width,
                                     (e - j + 1) * m.width, owner_sets[a + j], not m.buffer, sliced=True))
                 j = e + 1
     everyone = tuple(range(k))

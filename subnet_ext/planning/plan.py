@@ -31,6 +31,7 @@ import torch.nn as nn
 from .assign import assign_blocks, assign_neurons
 from .flops import trace_unit_flops
 from .plan_json import check_plan_json
+from .rank_graph import components, rank_graph, spectral_gap
 from .aliases import find_aliases
 from .units import UnitGroup, check_no_chained, find_blocks, find_neuron_groups, slice_numel
 
@@ -159,10 +160,12 @@ class SubnetPlan:
 
     @property
     def param_names(self) -> set:
+        """Names of the original model's parameters (state-dict entries that are not buffers)."""
         return set(self._param_names)
 
     @property
     def owner_count(self) -> torch.Tensor:
+        """int64 [len(units)]: how many ranks own each unit."""
         return self.owners.sum(0)
 
     @property
@@ -172,10 +175,13 @@ class SubnetPlan:
 
     @property
     def flops_per_rank(self) -> torch.Tensor:
+        """FLOPs each rank computes per forward of the sample input, float64 [world_size]
+        (shared FLOPs + those of the units it owns; units as flops_source says)."""
         return self.shared_flops + self.owners.double() @ self.unit_flops
 
     @property
     def full_bytes(self) -> float:
+        """Parameter bytes of the full model (shared + every unit)."""
         return self.shared_bytes + float(self.unit_bytes.sum())
 
     def unit_owner_sets(self) -> list[tuple[int, ...]]:
@@ -189,42 +195,16 @@ class SubnetPlan:
     # ----------------------------------------------------------------- checks
     def rank_graph(self) -> np.ndarray:
         """[K, K] float64: the number of units two ranks share (diagonal 0); shared parameters do not count."""
-        m = self.owners.double().numpy()
-        adj = m @ m.T
-        np.fill_diagonal(adj, 0.0)
-        return adj
+        return rank_graph(self.owners)
 
     def rank_components(self) -> list[list[int]]:
         """Connected components of the rank graph, each a sorted list of ranks, by smallest rank."""
-        adj, left, out = self.rank_graph(), set(range(self.world_size)), []
-        while left:
-            seen, todo = {min(left)}, [min(left)]
-            while todo:
-                i = todo.pop()
-                for j in np.nonzero(adj[i])[0].tolist():
-                    if j not in seen:
-                        seen.add(j)
-                        todo.append(j)
-            out.append(sorted(seen))
-            left -= seen
-        return out
+        return components(self.rank_graph())
 
     @property
     def spectral_gap(self) -> float:
-        """Second-smallest eigenvalue of the rank graph's normalised Laplacian (0 = disconnected).
-
-        Chung's convention: an isolated rank's diagonal entry is 0, so every component,
-        isolated ranks included, contributes one zero eigenvalue.
-        """
-        k = self.world_size
-        if k == 1:
-            return 1.0
-        adj = self.rank_graph()
-        deg = adj.sum(1)
-        with np.errstate(divide="ignore"):
-            inv = np.where(deg > 0, 1.0 / np.sqrt(deg), 0.0)
-        lap = np.diag((deg > 0).astype(np.float64)) - inv[:, None] * adj * inv[None, :]
-        return max(0.0, float(np.sort(np.linalg.eigvalsh(lap))[1]))
+        """Second-smallest eigenvalue of the rank graph's normalised Laplacian (0 = disconnected)."""
+        return spectral_gap(self.rank_graph())
 
     @property
     def imbalance(self) -> dict:
@@ -277,14 +257,15 @@ class SubnetPlan:
             lines.append(f"| {r} | {int(self.owners[r].sum())} | {b / 2**20:.2f} | {b / full:.1%} | {f / 1e9:.4f} |")
         imb, parts = self.imbalance, self.rank_components() if k > 1 else [[0]]
         graph = "connected" if len(parts) == 1 else f"disconnected by units, tied by shared parameters only {parts}"
-        kind = "traced" if self.flops_source.startswith("traced") else "2 x params"
+        counted_by = "traced" if self.flops_source.startswith("traced") else "2 x params"
         lines += ["", f"checks: every unit owned (min owners {int(self.owner_count.min())}), "
                       f"rank graph by shared units {graph} (spectral gap {self.spectral_gap:.3f}), "
-                      f"imbalance bytes {imb['bytes']:.1%} flops {imb['flops']:.1%} ({kind}), "
+                      f"imbalance bytes {imb['bytes']:.1%} flops {imb['flops']:.1%} ({counted_by}), "
                       f"{len(self.owner_sets())} distinct owner set(s)"]
         return "\n".join(lines)
 
     def to_json(self) -> str:
+        """The plan as JSON (format "subnet_ext.plan/1"): groups, owners, shapes, dtypes, FLOPs, ..."""
         return json.dumps({
             "format": "subnet_ext.plan/1", "world_size": self.world_size, "coverage": self.coverage,
             "level": self.level, "seed": self.seed, "fingerprint": self.fingerprint,
@@ -349,6 +330,15 @@ def _assign(level, k, r, groups, ranges, flops, **tensors) -> torch.Tensor:
     return assign_neurons(ranges, k, r, weight)
 
 
+def _unit_ranges(groups) -> list[tuple[int, int]]:
+    """(first unit, end) of each group in the plan's unit numbering."""
+    ranges, start = [], 0
+    for g in groups:
+        ranges.append((start, start + g.size))
+        start += g.size
+    return ranges
+
+
 def plan_subnetworks(model: nn.Module, world_size: int, coverage: float, level: str = "block", seed: int = 0,
                      blocks=None, neuron_groups=None, sample_input=None) -> SubnetPlan:
     """Plan which rank trains which part of `model`.
@@ -392,10 +382,7 @@ def plan_subnetworks(model: nn.Module, world_size: int, coverage: float, level: 
 
     plan = SubnetPlan.__new__(SubnetPlan)
     plan._param_names = [n for n, _ in model.named_parameters()]
-    ranges, start = [], 0
-    for g in groups:
-        ranges.append((start, start + g.size))
-        start += g.size
+    ranges = _unit_ranges(groups)
     flops = None
     if sample_input is not None:
         unit_flops, shared_flops, source = trace_unit_flops(model, groups, sample_input)

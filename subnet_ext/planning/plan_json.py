@@ -15,9 +15,9 @@ import math
 
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
 KINDS = ("block", "neuron", "head", "channel")
-SKIPS = ("identity", "shortcut")
+SKIPS = ("identity", "shortcut", "shortcut_relu")
 GROUP_KEYS = {"kind", "path", "size", "members", "params", "buffers", "consumers", "skip"}
-SLICE_KEYS = {"name", "dim", "width", "buffer"}
+SLICE_KEYS = {"name", "dim", "width", "buffer", "offset"}
 REQUIRED = ("format", "world_size", "coverage", "level", "seed", "fingerprint", "groups", "shared", "owners",
             "tensor_shapes", "tensor_dtypes", "param_names")
 
@@ -77,21 +77,40 @@ def _check_tensors(d: dict) -> dict:
     return shapes
 
 
-def _check_member(m, g_path: str, size: int, shapes: dict) -> str:
+def _check_member(m, g_path: str, size: int, shapes: dict) -> tuple:
+    """Returns (name, dim, first index, end index) of the member's span along dim."""
     if not isinstance(m, dict) or set(m) - SLICE_KEYS or not {"name", "dim", "width"} <= set(m):
-        raise ValueError(f"plan JSON: a member of group {g_path!r} must have name, dim, width (and buffer)")
-    name, dim, width = m["name"], m["dim"], m["width"]
+        raise ValueError(f"plan JSON: a member of group {g_path!r} must have name, dim, width (and buffer, offset)")
+    name, dim, width, offset = m["name"], m["dim"], m["width"], m.get("offset", 0)
     if name not in shapes:
         raise ValueError(f"plan JSON: group {g_path!r} slices an unknown tensor {name!r}")
     shape = shapes[name]
     if not _int(dim) or dim not in (0, 1) or dim >= len(shape):
         raise ValueError(f"plan JSON: group {g_path!r} slices {name!r} (shape {shape}) along dim {dim!r}")
-    if not _int(width) or width < 1 or size * width != shape[dim]:
-        raise ValueError(f"plan JSON: group {g_path!r}: {size} units of width {width!r} do not tile dim {dim} "
-                         f"of {name!r} (size {shape[dim]})")
+    if not _int(width) or width < 1 or not _int(offset) or offset < 0 or offset + size * width > shape[dim]:
+        raise ValueError(f"plan JSON: group {g_path!r}: {size} units of width {width!r} from offset {offset!r} "
+                         f"do not fit dim {dim} of {name!r} (size {shape[dim]})")
     if not isinstance(m.get("buffer", False), bool):
         raise ValueError(f"plan JSON: 'buffer' of a member of group {g_path!r} must be true or false")
-    return name
+    return name, dim, offset, offset + size * width
+
+
+def _check_tiling(spans: list, g_path: str, shapes: dict) -> list:
+    """The members slicing one tensor (several for a fused layout) must tile one of its dims
+    exactly: a gap would leave elements with no owner, an overlap would give them two.
+    Returns the distinct tensor names."""
+    by_name = {}
+    for name, dim, begin, end in spans:
+        by_name.setdefault(name, []).append((dim, begin, end))
+    for name, parts in by_name.items():
+        dims = {dim for dim, _, _ in parts}
+        parts.sort(key=lambda p: p[1])
+        edges = [0] + [e for _, _, e in parts]
+        contiguous = all(b == edges[i] for i, (_, b, _) in enumerate(parts))
+        if len(dims) != 1 or not contiguous or edges[-1] != shapes[name][parts[0][0]]:
+            raise ValueError(f"plan JSON: group {g_path!r}: the members slicing {name!r} (shape {shapes[name]}) "
+                             f"do not tile one dim exactly: (dim, begin, end) = {parts}")
+    return list(by_name)
 
 
 def _check_groups(d: dict, shapes: dict) -> int:
@@ -116,7 +135,7 @@ def _check_groups(d: dict, shapes: dict) -> int:
         if not isinstance(g["members"], list) or not isinstance(g["consumers"], list) or \
                 not all(isinstance(c, str) for c in g["consumers"]):
             raise ValueError(f"plan JSON: group {path!r}: members and consumers must be lists")
-        names = [_check_member(m, path, size, shapes) for m in g["members"]]
+        names = _check_tiling([_check_member(m, path, size, shapes) for m in g["members"]], path, shapes)
         names += _names(g, "params", shapes) + _names(g, "buffers", shapes)
         for n in names:
             if n in held:

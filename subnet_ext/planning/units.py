@@ -8,9 +8,14 @@ j of member (param, dim, width) is [j*width, (j+1)*width) along dim.
 
 Recognised without help: modules with fc1/fc2 Linears, gated MLPs (gate_proj/up_proj/
 down_proj), attention with q_proj/k_proj/v_proj/o_proj (a kv head with its query
-heads is one unit), nn.TransformerEncoderLayer (MLP neurons), torchvision-style
-BasicBlock/Bottleneck, and plain nn.Sequential stacks of Linear layers (alternate
-hidden layers, so no weight sits between two masked groups). Users declare the rest:
+heads is one unit), fused-qkv attention (GPT-2 c_attn/c_proj Conv1D, timm qkv/proj
+Linear: one unit per head, three column/row blocks of the fused tensor), GPT-2 Conv1D
+MLPs (c_fc/c_proj), nn.TransformerEncoderLayer (MLP neurons), ResNet BasicBlock/
+Bottleneck-shaped blocks whatever their shortcut is called (the skip path is traced,
+residual.py; pre-activation blocks skip without ReLU), transformer blocks (*DecoderLayer,
+GPT2Block, timm ViT Block) at block level, and plain nn.Sequential stacks of Linear
+layers with BatchNorm1d and element-wise layers between them (alternate hidden layers,
+so no weight sits between two masked groups; a BatchNorm1d in a masked layer is sliced). Users declare the rest:
 `blocks=["path", ...]` and `neuron_groups=[("producer.path", "consumer.path"), ...]`.
 """
 from __future__ import annotations
@@ -20,17 +25,23 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn as nn
 
+from .residual import _traced, skip_path
+
 _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 
 @dataclass(frozen=True)
-class Slice:
-    """Slice j of `name` is [j*width, (j+1)*width) along `dim` (0: rows, 1: columns)."""
+class Member:
+    """A group's slice spec of one tensor: unit j's slice of `name` is [offset + j*width,
+    offset + (j+1)*width) along `dim` (0: rows, 1: columns). A fused tensor lists one Member
+    per block of its layout (fused qkv: offsets 0, E and 2E), so a unit owns several column
+    or row blocks of the same tensor."""
 
     name: str
     dim: int
     width: int
     buffer: bool = False
+    offset: int = 0
 
 
 @dataclass
@@ -43,7 +54,8 @@ class UnitGroup:
     members: sliced parameters and buffers (neuron groups).
     params / buffers: names held whole by the block unit (block groups).
     consumers: module paths whose input is the group's width (for scale="inverse").
-    skip: how a skipped block computes its output: "identity" or "shortcut".
+    skip: how a skipped block computes its output: "identity", "shortcut" (its skip
+        path, no ReLU: pre-activation blocks) or "shortcut_relu" (relu of its skip path).
     """
 
     kind: str
@@ -56,14 +68,16 @@ class UnitGroup:
     skip: str = "identity"
 
     def to_dict(self) -> dict:
+        """The group as a JSON-ready dict (members as dicts), as stored in the plan JSON."""
         d = asdict(self)
         d["members"] = [asdict(m) for m in self.members]
         return d
 
     @staticmethod
     def from_dict(d: dict) -> "UnitGroup":
+        """The UnitGroup a to_dict() dict describes."""
         d = dict(d)
-        d["members"] = [Slice(**m) for m in d["members"]]
+        d["members"] = [Member(**m) for m in d["members"]]
         return UnitGroup(**d)
 
 
@@ -71,24 +85,24 @@ def _join(*parts: str) -> str:
     return ".".join(p for p in parts if p)
 
 
-def _entries(module: nn.Module, path: str, dim: int, width: int = 1, with_buffers: bool = True) -> list[Slice]:
-    """Slices of a module's own parameters (and float buffers) along dim."""
-    out = [Slice(_join(path, n), dim, width) for n, p in module.named_parameters(recurse=False)
+def _entries(module: nn.Module, path: str, dim: int, width: int = 1, with_buffers: bool = True) -> list[Member]:
+    """Members (slice specs) of a module's own parameters (and float buffers) along dim."""
+    out = [Member(_join(path, n), dim, width) for n, p in module.named_parameters(recurse=False)
            if not (dim == 0 and p.dim() == 0)]
     if with_buffers:
         for n, b in module.named_buffers(recurse=False):
             if b is not None and b.is_floating_point() and b.dim() >= 1 and n in module._buffers \
                     and n not in module._non_persistent_buffers_set:
-                out.append(Slice(_join(path, n), dim, width, buffer=True))
+                out.append(Member(_join(path, n), dim, width, buffer=True))
     return out
 
 
-def _linear_producer(module: nn.Linear, path: str, width: int = 1) -> list[Slice]:
+def _linear_producer(module: nn.Linear, path: str, width: int = 1) -> list[Member]:
     return _entries(module, path, 0, width)
 
 
-def _linear_consumer(module: nn.Linear, path: str, width: int = 1) -> list[Slice]:
-    return [Slice(_join(path, "weight"), 1, width)]
+def _linear_consumer(module: nn.Linear, path: str, width: int = 1) -> list[Member]:
+    return [Member(_join(path, "weight"), 1, width)]
 
 
 def _is_basic_block(m: nn.Module) -> bool:
@@ -117,29 +131,72 @@ def _is_decoder_layer(m: nn.Module) -> bool:
     return hasattr(m, "self_attn") and hasattr(m, "mlp") and type(m).__name__.endswith("DecoderLayer")
 
 
+def _is_conv1d(m) -> bool:
+    """transformers' Conv1D: y = x @ W + b with W [in, out] (GPT-2), recognised without importing it."""
+    return type(m).__name__ == "Conv1D" and isinstance(getattr(m, "nf", None), int) and \
+        getattr(getattr(m, "weight", None), "dim", lambda: 0)() == 2
+
+
+def _is_conv1d_mlp(m: nn.Module) -> bool:
+    return _is_conv1d(getattr(m, "c_fc", None)) and _is_conv1d(getattr(m, "c_proj", None))
+
+
+def _is_fused_attention(m: nn.Module) -> bool:
+    """One projection holding q, k and v (GPT-2 c_attn Conv1D, timm qkv Linear) + an output projection."""
+    gpt2 = _is_conv1d(getattr(m, "c_attn", None)) and _is_conv1d(getattr(m, "c_proj", None))
+    timm = isinstance(getattr(m, "qkv", None), nn.Linear) and isinstance(getattr(m, "proj", None), nn.Linear)
+    return (gpt2 or timm) and isinstance(getattr(m, "num_heads", None), int)
+
+
+def _is_vit_block(m: nn.Module) -> bool:
+    """timm ViT Block: pre-norm attention + MLP, each added to the input."""
+    return all(hasattr(m, a) for a in ("norm1", "attn", "norm2", "mlp")) and type(m).__name__ == "Block"
+
+
 def is_recognised_block(m: nn.Module) -> bool:
     """Residual blocks the planner knows how to skip."""
     return (_is_basic_block(m) or _is_bottleneck(m) or _is_decoder_layer(m)
-            or isinstance(m, nn.TransformerEncoderLayer) or type(m).__name__ == "ResidualMLPBlock")
+            or isinstance(m, nn.TransformerEncoderLayer) or type(m).__name__ in ("ResidualMLPBlock", "GPT2Block")
+            or _is_vit_block(m))
+
+
+def _block_skip(block: nn.Module) -> tuple[str, tuple]:
+    """(skip mode, top-level children the skip path runs) of a block; see residual.py.
+
+    Transformer and residual-MLP layers pass their input through unchanged. A ResNet-style
+    block runs its traced skip path (by-name fallback); a declared block of unknown kind
+    runs its traced skip path when tracing finds one, else passes its input through."""
+    if _is_decoder_layer(block) or isinstance(block, nn.TransformerEncoderLayer) \
+            or type(block).__name__ in ("ResidualMLPBlock", "GPT2Block") or _is_vit_block(block):
+        return "identity", ()
+    resnet = _is_basic_block(block) or _is_bottleneck(block)
+    path = skip_path(block) if resnet else _traced(block)
+    if path is None or (not path.modules and not path.relu):
+        return "identity", ()
+    return path.mode, path.modules
 
 
 def _block_group(model: nn.Module, path: str) -> UnitGroup:
     block = model.get_submodule(path)
-    shortcut = "downsample" if isinstance(getattr(block, "downsample", None), nn.Module) else None
-    skip = "shortcut" if (_is_basic_block(block) or _is_bottleneck(block)) else "identity"
+    skip, shortcut_children = _block_skip(block)
+
+    def in_unit(n: str) -> bool:  # the skip path's children are shared: every rank runs them
+        return n.split(".")[0] not in shortcut_children
+
     params, buffers = [], []
     for n, _ in block.named_parameters():
-        if shortcut is None or not n.startswith(shortcut + "."):
+        if in_unit(n):
             params.append(_join(path, n))
     for n, b in block.named_buffers():
         owner_path, _, leaf = n.rpartition(".")
         owner = block.get_submodule(owner_path) if owner_path else block
         if leaf in owner._non_persistent_buffers_set:
             continue
-        if shortcut is None or not n.startswith(shortcut + "."):
+        if in_unit(n):
             buffers.append(_join(path, n))
     if not params:
-        raise ValueError(f"block {path!r} has no parameters outside its shortcut; it cannot be a unit")
+        raise ValueError(f"block {path!r} has no parameters outside its skip path {shortcut_children}; "
+                         "it cannot be a unit")
     return UnitGroup("block", path, 1, params=params, buffers=buffers, skip=skip)
 
 
@@ -193,20 +250,76 @@ def _pair_group(model, kind, path, producers, consumers, norms=()) -> UnitGroup:
         if m.weight.dim() < 2:
             raise ValueError(f"consumer {c!r} has a {m.weight.dim()}-D weight; it needs input columns")
         widths.add(m.weight.shape[1])
-        members.append(Slice(_join(c, "weight"), 1, 1))
+        members.append(Member(_join(c, "weight"), 1, 1))
     if len(widths) != 1:
         raise ValueError(f"neuron group {path!r}: producers and consumers disagree on the width: {sorted(widths)}")
     return UnitGroup(kind, path, widths.pop(), members=members, consumers=list(consumers))
 
 
+def _fused_attention_group(attn: nn.Module, path: str) -> UnitGroup:
+    """One unit per head of a fused-qkv attention: head h owns, of the fused projection,
+    the q, k and v blocks at offsets h*d, E + h*d and 2E + h*d (E = heads * d), and rows
+    (Conv1D) or columns (Linear) h*d .. (h+1)*d of the output projection."""
+    gpt2 = hasattr(attn, "c_attn")
+    fused, out = ("c_attn", "c_proj") if gpt2 else ("qkv", "proj")
+    heads = attn.num_heads
+    width = attn.c_attn.nf if gpt2 else attn.qkv.out_features
+    if width % (3 * heads):
+        raise ValueError(f"attention {path!r}: fused projection {fused!r} has {width} outputs, not 3 x "
+                         f"{heads} heads x head_dim (cross-attention or a custom layout); declare its units")
+    for extra in ("q_attn", "gate"):
+        if isinstance(getattr(attn, extra, None), nn.Module):
+            raise ValueError(f"attention {path!r} has a {extra!r} projection the planner cannot slice by head; "
+                             "plan it at block level or declare its units")
+    if not isinstance(getattr(attn, "norm", nn.Identity()), nn.Identity):
+        raise ValueError(f"attention {path!r} normalises across heads ({type(attn.norm).__name__}); a head "
+                         "cannot be removed without changing the others: plan it at block level")
+    e, d = width // 3, width // 3 // heads
+    fused_dim = 1 if gpt2 else 0  # Conv1D weight is [in, out]: outputs are columns
+    members = []
+    for offset in (0, e, 2 * e):
+        members.append(Member(_join(path, fused, "weight"), fused_dim, d, offset=offset))
+        if getattr(attn, fused).bias is not None:
+            members.append(Member(_join(path, fused, "bias"), 0, d, offset=offset))
+    members.append(Member(_join(path, out, "weight"), 0 if gpt2 else 1, d))
+    return UnitGroup("head", path, heads, members=members, consumers=[_join(path, out)])
+
+
+def _conv1d_mlp_group(mlp: nn.Module, path: str) -> UnitGroup:
+    """GPT-2 MLP: neuron j = column j of c_fc.weight [in, hidden], c_fc.bias[j], row j of
+    c_proj.weight [hidden, out]."""
+    hidden = mlp.c_fc.nf
+    if mlp.c_proj.weight.shape[0] != hidden:
+        raise ValueError(f"MLP {path!r}: c_fc has {hidden} outputs but c_proj takes {mlp.c_proj.weight.shape[0]}")
+    members = [Member(_join(path, "c_fc", "weight"), 1, 1), Member(_join(path, "c_fc", "bias"), 0, 1),
+               Member(_join(path, "c_proj", "weight"), 0, 1)]
+    return UnitGroup("neuron", path, hidden, members=members, consumers=[_join(path, "c_proj")])
+
+
+def _is_plain_stack(m: nn.Module) -> bool:
+    """nn.Sequential of Linears, BatchNorm1d and parameter-free layers (activations, dropout)."""
+    return isinstance(m, nn.Sequential) and sum(isinstance(c, nn.Linear) for c in m.children()) >= 2 and \
+        all(isinstance(c, (nn.Linear, nn.BatchNorm1d)) or not list(c.parameters()) for c in m.children())
+
+
 def _plain_stack_groups(seq: nn.Sequential, path: str, model) -> list[UnitGroup]:
-    linears = [(_join(path, n), m) for n, m in seq.named_children() if isinstance(m, nn.Linear)]
+    children = [(_join(path, n), c) for n, c in seq.named_children()]
+    at = [i for i, (_, c) in enumerate(children) if isinstance(c, nn.Linear)]
     groups = []
     # Hidden layer i sits between linears[i] and linears[i+1]; masking layers 0, 2, 4, ...
     # keeps every weight masked on one side only (no element without an owner).
-    for i in range(0, len(linears) - 1, 2):
-        (p, _), (c, _) = linears[i], linears[i + 1]
-        groups.append(_pair_group(model, "neuron", p, [p], [c]))
+    for i in range(0, len(at) - 1, 2):
+        p, c = children[at[i]][0], children[at[i + 1]][0]
+        between = children[at[i] + 1:at[i + 1]]
+        norms = [n for n, m in between if isinstance(m, nn.BatchNorm1d)]
+        mixing = [f"{n} ({type(m).__name__})" for n, m in between
+                  if not isinstance(m, nn.BatchNorm1d) and (m._buffers or isinstance(m, (nn.LayerNorm, nn.GroupNorm)))]
+        if mixing:
+            # Per-feature layers slice; a layer mixing the features (LayerNorm statistics) or
+            # holding state the planner cannot slice would compute something else on a subnetwork.
+            raise ValueError(f"plain stack {path!r}: {mixing} between {p!r} and {c!r} cannot be sliced by neuron; "
+                             "only BatchNorm1d and element-wise layers can sit in a masked hidden layer")
+        groups.append(_pair_group(model, "neuron", p, [p], [c], norms))
     return groups
 
 
@@ -248,8 +361,11 @@ def find_neuron_groups(model: nn.Module, neuron_groups=None) -> list[UnitGroup]:
         elif _is_basic_block(m):
             groups.append(_pair_group(model, "channel", path, [_join(path, "conv1")], [_join(path, "conv2")],
                                       [_join(path, "bn1")]))
-        elif isinstance(m, nn.Sequential) and sum(isinstance(c, nn.Linear) for c in m.children()) >= 2 \
-                and all(isinstance(c, nn.Linear) or not list(c.parameters()) for c in m.children()):
+        elif _is_fused_attention(m):
+            groups.append(_fused_attention_group(m, path))
+        elif _is_conv1d_mlp(m):
+            groups.append(_conv1d_mlp_group(m, path))
+        elif _is_plain_stack(m):
             groups += _plain_stack_groups(m, path, model)
         else:
             continue
@@ -270,7 +386,7 @@ def check_no_chained(groups: list[UnitGroup]) -> None:
             seen[n] = g.path
 
 
-def slice_numel(t_shape: torch.Size, member: Slice) -> int:
+def slice_numel(t_shape: torch.Size, member: Member) -> int:
     """Elements of one unit's slice of a tensor of shape t_shape."""
     total = 1
     for s in t_shape:

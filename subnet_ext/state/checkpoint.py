@@ -44,6 +44,7 @@ class CheckpointWriteError(RuntimeError):
 
 
 def step_dir(step: int) -> str:
+    """Folder name of the checkpoint at `step`: 'step-000120'."""
     return f"step-{step:06d}"
 
 

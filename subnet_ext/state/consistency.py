@@ -85,6 +85,8 @@ def compare_hashes(table: torch.Tensor, holders: list[tuple], labels: list[str])
 
 
 def raise_on_mismatch(mismatches: list, what: str = "owners") -> None:
+    """Raise ConsistencyError listing (up to 5 of) `mismatches`, each (label, {hash: ranks});
+    return when there are none. `what` names who disagrees."""
     if not mismatches:
         return
     lines = []
@@ -95,8 +97,11 @@ def raise_on_mismatch(mismatches: list, what: str = "owners") -> None:
     raise ConsistencyError(
         f"{what} disagree on {len(mismatches)} piece(s){more}; they must hold identical values after each "
         "synchronisation:\n  " + "\n  ".join(lines) +
-        "\nA rank diverged (a skipped or repeated step, corrupted memory, a bug). Restart from the last good "
-        "checkpoint.", mismatches)
+        "\nA rank diverged. The usual cause is a per-rank gradient edit between backward and optimizer.step(): "
+        "torch.nn.utils.clip_grad_norm_ over sdp.parameters() (it sees one rank's share; use "
+        "sdp.clip_grad_norm_), loss scaling whose skip decision the ranks do not agree on (torch.amp.GradScaler; "
+        "use subnet_ext.GradScaler), or gradients edited by hand on some ranks. Otherwise: a skipped or "
+        "repeated step, corrupted memory, a bug. Restart from the last good checkpoint.", mismatches)
 
 
 def verify_consistency(layout, process_group=None, timeout: float | None = None) -> None:

@@ -21,6 +21,7 @@ class CorruptCheckpoint(ValueError):
 
 
 def fsync_dir(path: str) -> None:
+    """fsync the directory `path`, so the entries just created or renamed in it are durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -9,7 +9,7 @@ Two forms:
   "model/<piece key>" and "optim/<state key>/<piece key>" as [rows, cols] tensors of its
   full rectangle — what torch.distributed.checkpoint writes, each rank its own pieces.
   `load_sharded_state_dict` takes the plan that saved them and reads, for each piece
-  this rank now holds, the saved pieces overlapping it (slots.py).
+  this rank now holds, the saved pieces overlapping it (held_pieces.py).
 
 Optimizer state: a tensor entry shaped like its parameter (exp_avg, exp_avg_sq,
 momentum_buffer, ...) is sliced like the parameter; a 0-d entry (Adam's step) is kept
@@ -24,40 +24,40 @@ import torch.distributed as dist
 
 from ..comm import collectives
 from ..planning.pieces import full_rectangle, global_pieces, rectangle
-from .slots import (area, as_2d, copy_overlaps, local_tensor, model_slots, optimizer_slots, overlapping, piece_key,
-                    writes)
+from .held_pieces import (area, as_2d, copy_overlaps, held_optimizer_pieces, held_values, local_tensor, overlapping,
+                          piece_key, writes)
 
 MODEL, OPTIM = "model/", "optim/"
 SHARED = "shared/"  # key of a sharded shared parameter (one DTensor, each rank its shard)
 
 
 # ----------------------------------------------------------------------------- helpers
-def state_kinds(optimizer, params) -> dict:
+def state_entry_shapes(optimizer, params) -> dict:
     """{state key: "tensor" | "scalar"} over the state of `params` (this rank only)."""
-    kinds = {}
+    entry_shapes = {}
     for p in params:
         for key, value in optimizer.state.get(p, {}).items():
             if torch.is_tensor(value) and value.dim() > 0:
                 if tuple(value.shape) != tuple(p.shape):
                     raise ValueError(f"optimizer state {key!r} has shape {tuple(value.shape)} but its parameter "
                                      f"{tuple(p.shape)}; only per-element and scalar state can be re-planned")
-                kinds[key] = "tensor"
+                entry_shapes[key] = "tensor"
             elif torch.is_tensor(value) or isinstance(value, (int, float)):
-                kinds[key] = "scalar"
+                entry_shapes[key] = "scalar"
             else:
                 raise ValueError(f"optimizer state {key!r} is a {type(value).__name__}; only tensors and numbers "
                                  "can be saved in full-model coordinates")
-    return kinds
+    return entry_shapes
 
 
-def _all_kinds(optimizer, params, group) -> dict:
-    kinds = state_kinds(optimizer, params)
+def _all_entry_shapes(optimizer, params, group) -> dict:
+    entry_shapes = state_entry_shapes(optimizer, params)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         everyone = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, kinds, group=group)
+        dist.all_gather_object(everyone, entry_shapes, group=group)
         for k in everyone:
-            kinds.update(k)
-    return dict(sorted(kinds.items()))
+            entry_shapes.update(k)
+    return dict(sorted(entry_shapes.items()))
 
 
 def _scalar(value) -> torch.Tensor:
@@ -93,29 +93,29 @@ def load_hyperparameters(optimizer, groups) -> None:
                 g[k] = tuple(v) if isinstance(g[k], tuple) else v
 
 
-def _new_state(optimizer, param, kinds: dict, step_dtype=torch.float32) -> dict:
+def _new_state(optimizer, param, entry_shapes: dict, step_dtype=torch.float32) -> dict:
     group = next(g for g in optimizer.param_groups if any(q is param for q in g["params"]))
     on_device = group.get("capturable", False) or group.get("fused", False)
     state = {}
-    for key, kind in kinds.items():
-        if kind == "tensor":
+    for key, entry_shape in entry_shapes.items():
+        if entry_shape == "tensor":
             state[key] = torch.zeros_like(param, memory_format=torch.contiguous_format)
         else:
             state[key] = torch.zeros((), dtype=step_dtype, device=param.device if on_device else "cpu")
     return state
 
 
-def _ensure_state(optimizer, slots, kinds) -> None:
-    """Every slot's parameter gets state with every key (contiguous tensors, to be filled)."""
-    for s in slots:
+def _ensure_state(optimizer, held, entry_shapes) -> None:
+    """Every held piece's parameter gets state with every key (contiguous tensors, to be filled)."""
+    for s in held:
         state = optimizer.state.get(s.param)
         if not state:
-            optimizer.state[s.param] = _new_state(optimizer, s.param, kinds)
+            optimizer.state[s.param] = _new_state(optimizer, s.param, entry_shapes)
             continue
-        for key, kind in kinds.items():
+        for key, entry_shape in entry_shapes.items():
             if key not in state:
-                state.update({key: _new_state(optimizer, s.param, {key: kind})[key]})
-            elif kind == "tensor" and not state[key].is_contiguous():
+                state.update({key: _new_state(optimizer, s.param, {key: entry_shape})[key]})
+            elif entry_shape == "tensor" and not state[key].is_contiguous():
                 state[key] = state[key].contiguous()
 
 
@@ -127,24 +127,24 @@ def full_optimizer_state_dict(layout, optimizer, process_group=None, timeout: fl
     one all-reduce per dtype sums them (bit-exact, like full_state_dict); scalars are
     reduced with MAX. Every float parameter of the plan has an entry (zeros where no rank
     has state for it); buffers have none."""
-    slots = optimizer_slots(layout, optimizer)
-    kinds = _all_kinds(optimizer, [s.param for s in slots], process_group)
+    held = held_optimizer_pieces(layout, optimizer)
+    entry_shapes = _all_entry_shapes(optimizer, [s.param for s in held], process_group)
     names = [n for n in layout.plan.tensor_shapes if n in layout.plan.param_names and layout.plan.is_float(n)]
     tensors, scalars = {}, {}
-    for key, kind in kinds.items():
+    for key, entry_shape in entry_shapes.items():
         for n in names:
-            if kind == "tensor":
+            if entry_shape == "tensor":
                 dtype = getattr(torch, layout.plan.tensor_dtypes[n])
                 tensors[(key, n)] = torch.zeros(layout.plan.tensor_shapes[n], dtype=dtype, device=layout.device)
             else:
                 scalars[(key, n)] = 0.0
     with torch.no_grad():
-        for s in slots:
+        for s in held:
             state = optimizer.state.get(s.param, {})
-            for key, kind in kinds.items():
+            for key, entry_shape in entry_shapes.items():
                 if key not in state:
                     continue
-                if kind == "scalar":
+                if entry_shape == "scalar":
                     scalars[(key, s.piece.name)] = max(scalars[(key, s.piece.name)], float(_scalar(state[key])))
                 elif writes(s, layout):
                     r0, r1, c0, c1 = s.full
@@ -165,7 +165,7 @@ def full_optimizer_state_dict(layout, optimizer, process_group=None, timeout: fl
         state[n][key] = t
     for (key, n), v in scalars.items():
         state[n][key] = torch.tensor(v, dtype=torch.float32)
-    return {"state": state if kinds else {}, "param_groups": hyperparameters(optimizer)}
+    return {"state": state if entry_shapes else {}, "param_groups": hyperparameters(optimizer)}
 
 
 def load_full_optimizer_state_dict(layout, optimizer, full: dict) -> None:
@@ -175,22 +175,22 @@ def load_full_optimizer_state_dict(layout, optimizer, full: dict) -> None:
     Not collective. Raises ValueError when an entry is missing or mis-shaped."""
     if not isinstance(full, dict) or not isinstance(full.get("state"), dict):
         raise ValueError("load_full_optimizer_state_dict needs {'state': {name: {key: tensor}}, 'param_groups': ...}")
-    slots = optimizer_slots(layout, optimizer)
-    kinds = {}
+    held = held_optimizer_pieces(layout, optimizer)
+    entry_shapes = {}
     for entries in full["state"].values():
         for key, value in entries.items():
-            kinds[key] = "tensor" if torch.is_tensor(value) and value.dim() > 0 else "scalar"
-    _ensure_state(optimizer, slots, kinds)
+            entry_shapes[key] = "tensor" if torch.is_tensor(value) and value.dim() > 0 else "scalar"
+    _ensure_state(optimizer, held, entry_shapes)
     with torch.no_grad():
-        for s in slots:
+        for s in held:
             entries = full["state"].get(s.piece.name)
             if entries is None:
                 raise ValueError(f"the optimizer state has no entry for {s.piece.name!r}")
-            for key, kind in kinds.items():
+            for key, entry_shape in entry_shapes.items():
                 value = entries.get(key)
                 if value is None:
                     raise ValueError(f"the optimizer state of {s.piece.name!r} lacks {key!r}")
-                if kind == "scalar":
+                if entry_shape == "scalar":
                     optimizer.state[s.param][key].fill_(float(_scalar(value)))
                     continue
                 shape = layout.plan.tensor_shapes[s.piece.name]
@@ -209,11 +209,11 @@ def sharded_state_dict(layout, optimizer=None, process_group=None) -> tuple[dict
 
     tensors: {"model/<piece key>": [rows, cols] values, "model/<name>": integer entries
     (e.g. num_batches_tracked, whole), "optim/<state key>/<piece key>": state}.
-    info: {"optimizer_state": {state key: kind}} (the same on every rank). `layout`: this
+    info: {"optimizer_state": {state key: "tensor" | "scalar"}} (the same on every rank). `layout`: this
     rank's RankLayout. Collective over `process_group` when an optimizer is given (the
     state keys are agreed on)."""
     out = {}
-    for s in model_slots(layout):
+    for s in held_values(layout):
         if layout.is_sharded(s.piece):
             out[MODEL + SHARED + s.piece.name] = layout.value_of(s.piece.name).detach()
         elif s.piece.leader == layout.rank:
@@ -221,20 +221,20 @@ def sharded_state_dict(layout, optimizer=None, process_group=None) -> tuple[dict
     for name, leader in layout.integer_entries.items():
         if leader == layout.rank:
             out[MODEL + name] = layout.value_of(name).detach().clone()
-    kinds = {}
+    entry_shapes = {}
     if optimizer is not None:
-        slots = optimizer_slots(layout, optimizer)
-        kinds = _all_kinds(optimizer, [s.param for s in slots], process_group)
-        for s in slots:
+        held = held_optimizer_pieces(layout, optimizer)
+        entry_shapes = _all_entry_shapes(optimizer, [s.param for s in held], process_group)
+        for s in held:
             if layout.is_sharded(s.piece):
-                out.update(_sharded_optimizer_entries(s, optimizer, kinds, layout.rank))
+                out.update(_sharded_optimizer_entries(s, optimizer, entry_shapes, layout.rank))
                 continue
             if s.piece.leader != layout.rank:
                 continue
             state = optimizer.state.get(s.param, {})
-            for key, kind in kinds.items():
+            for key, entry_shape in entry_shapes.items():
                 name = f"{OPTIM}{key}/{piece_key(s.piece)}"
-                if kind == "scalar":
+                if entry_shape == "scalar":
                     out[name] = _scalar(state[key]) if key in state else torch.tensor(0.0)
                 elif key in state:
                     r0, r1, c0, c1 = s.local
@@ -242,20 +242,20 @@ def sharded_state_dict(layout, optimizer=None, process_group=None) -> tuple[dict
                 else:
                     out[name] = torch.zeros(s.full[1] - s.full[0], s.full[3] - s.full[2], dtype=s.param.dtype,
                                             device=s.param.device)
-    return out, {"optimizer_state": kinds, "sharded": sorted(layout.sharded)}
+    return out, {"optimizer_state": entry_shapes, "sharded": sorted(layout.sharded)}
 
 
-def _sharded_optimizer_entries(slot, optimizer, kinds: dict, rank: int) -> dict:
+def _sharded_optimizer_entries(held_piece, optimizer, entry_shapes: dict, rank: int) -> dict:
     """{"optim/<key>/shared/<name>": DTensor state (every rank its shard), or the 0-d
     scalar (rank 0 only)} for one sharded shared parameter."""
-    state, out = optimizer.state.get(slot.param, {}), {}
-    for key, kind in kinds.items():
-        name = f"{OPTIM}{key}/{SHARED}{slot.piece.name}"
-        if kind == "scalar":
+    state, out = optimizer.state.get(held_piece.param, {}), {}
+    for key, entry_shape in entry_shapes.items():
+        name = f"{OPTIM}{key}/{SHARED}{held_piece.piece.name}"
+        if entry_shape == "scalar":
             if rank == 0:
                 out[name] = _scalar(state[key]) if key in state else torch.tensor(0.0)
         else:
-            out[name] = state[key].detach() if key in state else torch.zeros_like(slot.param).detach()
+            out[name] = state[key].detach() if key in state else torch.zeros_like(held_piece.param).detach()
     return out
 
 
@@ -298,21 +298,21 @@ def load_sharded_state_dict(layout, optimizer, saved_plan, info: dict, available
         shape, dtype = available[key]
         request[key] = torch.empty(shape, dtype=dtype)
 
-    targets = []  # (slot, key prefix, tensor to fill)
-    for s in model_slots(layout):
+    targets = []  # (held piece, key prefix, tensor to fill)
+    for s in held_values(layout):
         for _, key, _ in overlapping(s.full, saved[s.piece.name]):
             want(MODEL + key)
         targets.append((s, MODEL, s.tensor))
     integer = [n for n in layout.integer_entries if layout.holds_whole(n)]
     for n in integer:
         want(MODEL + n)
-    kinds = info.get("optimizer_state", {}) if optimizer is not None else {}
-    optim_slots = optimizer_slots(layout, optimizer) if kinds else []
-    if kinds:
-        _ensure_state(optimizer, optim_slots, kinds)
-        for s in optim_slots:
+    entry_shapes = info.get("optimizer_state", {}) if optimizer is not None else {}
+    optimizer_pieces = held_optimizer_pieces(layout, optimizer) if entry_shapes else []
+    if entry_shapes:
+        _ensure_state(optimizer, optimizer_pieces, entry_shapes)
+        for s in optimizer_pieces:
             for _, key, _ in overlapping(s.full, saved[s.piece.name]):
-                for k in kinds:
+                for k in entry_shapes:
                     want(f"{OPTIM}{k}/{key}")
     read(request)
     with torch.no_grad():
@@ -322,19 +322,19 @@ def load_sharded_state_dict(layout, optimizer, saved_plan, info: dict, available
             _check_covered(s, copy_overlaps(dst, s.local, s.full, sources))
         for n in integer:
             layout.value_of(n).copy_(request[MODEL + n])
-        for s in optim_slots:
+        for s in optimizer_pieces:
             parts = overlapping(s.full, saved[s.piece.name])
             state = optimizer.state[s.param]
-            for k, kind in kinds.items():
-                if kind == "scalar":
+            for k, entry_shape in entry_shapes.items():
+                if entry_shape == "scalar":
                     state[k].fill_(max(float(request[f"{OPTIM}{k}/{key}"]) for _, key, _ in parts))
                     continue
                 sources = [(rect, as_2d(request[f"{OPTIM}{k}/{key}"]).to(s.param.device)) for rect, key, _ in parts]
                 _check_covered(s, copy_overlaps(local_tensor(state[k]), s.local, s.full, sources))
 
 
-def _check_covered(slot, written: int) -> None:
-    if written != area(slot.full):
-        raise ValueError(f"the checkpoint covers {written} of the {area(slot.full)} elements of "
-                         f"{slot.piece.name!r} this rank needs (rectangle {slot.full}): its pieces do not tile "
-                         "the tensor; it is corrupt or from another model")
+def _check_covered(held_piece, written: int) -> None:
+    if written != area(held_piece.full):
+        raise ValueError(f"the checkpoint covers {written} of the {area(held_piece.full)} elements of "
+                         f"{held_piece.piece.name!r} this rank needs (rectangle {held_piece.full}): its pieces do "
+                         "not tile the tensor; it is corrupt or from another model")

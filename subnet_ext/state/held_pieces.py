@@ -7,10 +7,10 @@ two ways:
 - *local coordinates*: a rectangle of a contiguous local tensor's 2-D view (a compact
   tensor in the forward regime, a full tensor or an owned-slice parameter otherwise).
 
-A `Slot` pairs the two for one piece. Re-planning (another world size, coverage, level
-or regime) is then a copy of rectangle overlaps: `copy_overlaps` writes into a slot
-whatever parts of some source rectangles (saved pieces of another plan, or whole
-tensors) overlap it, and counts the elements written so gaps are caught.
+A `HeldPiece` pairs the two for one piece. Re-planning (another world size, coverage,
+level or regime) is then a copy of rectangle overlaps: `copy_overlaps` writes into a
+held piece whatever parts of some source rectangles (saved pieces of another plan, or
+whole tensors) overlap it, and counts the elements written so gaps are caught.
 """
 from __future__ import annotations
 
@@ -25,20 +25,21 @@ from ..planning.pieces import Piece
 Rect = tuple  # (row_begin, row_end, col_begin, col_end)
 
 
-# Slots are written through their 2-D view, so it must be a view: the ops layer's as_2d,
+# Held pieces are written through their 2-D view, so it must be a view: the ops layer's as_2d,
 # refusing non-contiguous tensors.
 as_2d = functools.partial(reference.as_2d, view=True)
 
 
 def area(rect: Rect) -> int:
+    """Elements of a rectangle (row_begin, row_end, col_begin, col_end)."""
     return (rect[1] - rect[0]) * (rect[3] - rect[2])
 
 
 @dataclass(frozen=True, eq=False)
-class Slot:
+class HeldPiece:
     """One piece on this rank: `tensor` (contiguous) holds it at `local`; `full` is where it
     sits in the original tensor. `param` is the optimizer's parameter for it (None for
-    model-value slots)."""
+    model values)."""
 
     piece: Piece
     tensor: torch.Tensor
@@ -58,10 +59,10 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def writes(slot: Slot, layout) -> bool:
-    """True when this rank writes the slot into a full-coordinate result: the piece's
+def writes(held_piece: "HeldPiece", layout) -> bool:
+    """True when this rank writes the held piece into a full-coordinate result: the piece's
     leader, or every rank for its own shard of a sharded parameter."""
-    return slot.piece.leader == layout.rank or layout.is_sharded(slot.piece)
+    return held_piece.piece.leader == layout.rank or layout.is_sharded(held_piece.piece)
 
 
 def piece_key(piece: Piece) -> str:
@@ -69,17 +70,17 @@ def piece_key(piece: Piece) -> str:
     return f"{piece.name}|{piece.dim}:{piece.start}:{piece.length}"
 
 
-def model_slots(layout) -> list[Slot]:
+def held_values(layout) -> list[HeldPiece]:
     """Every piece whose value this rank holds (the owned ones in the forward regime; all of
     them in the backward regime, where every rank keeps full copies). `layout`: RankLayout."""
     out = []
     for p in layout.local_start:
         t, local = layout.resolve_value(p)
-        out.append(Slot(p, t, local, layout.held_rectangle(p)))
+        out.append(HeldPiece(p, t, local, layout.held_rectangle(p)))
     return out
 
 
-def optimizer_slots(layout, optimizer) -> list[Slot]:
+def held_optimizer_pieces(layout, optimizer) -> list[HeldPiece]:
     """Every owned parameter piece the optimizer updates, with the parameter it lives in
     (backward regime, neuron level: the owned-slice Parameter itself). `layout`: RankLayout."""
     in_optimizer = {id(q) for g in optimizer.param_groups for q in g["params"]}
@@ -89,7 +90,7 @@ def optimizer_slots(layout, optimizer) -> list[Slot]:
             continue
         param, local = layout.optimizer_param(p)
         if id(param) in in_optimizer:
-            out.append(Slot(p, param, local, layout.held_rectangle(p), param))
+            out.append(HeldPiece(p, param, local, layout.held_rectangle(p), param))
     return out
 
 
@@ -98,7 +99,7 @@ def copy_overlaps(dst: torch.Tensor, local: Rect, full: Rect, sources) -> int:
     `full`; returns the number of elements written.
 
     Args:
-        dst: a contiguous tensor. local, full: the slot's rectangles (same extent).
+        dst: a contiguous tensor. local, full: the held piece's rectangles (same extent).
         sources: iterable of (rect in full coordinates, 2-D tensor of that rect's extent).
     """
     view = as_2d(dst)

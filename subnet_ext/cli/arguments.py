@@ -1,0 +1,229 @@
+"""The arguments of `subnet-train`: the parser, the checks argparse's types cannot make,
+and `training_args`, which builds one run's arguments without a command line."""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+from ..planning.buckets import DEFAULT_BUCKET_CAP_MB
+from .launch import choose_backend
+
+METHODS = ("ddp", "fsdp", "sdp")
+MODELS = ("mlp", "resnet", "llama")  # and hf:DIR, a transformers causal LM's folder
+
+
+def _model_name(value: str) -> str:
+    if value in MODELS or (value.startswith("hf:") and len(value) > 3):
+        return value
+    raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from {', '.join(MODELS)} or hf:DIR)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser of `subnet-train` (method, model, data, steps, SDP level/regime, checkpoints, ...)."""
+    p = argparse.ArgumentParser(prog="subnet-train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--method", choices=METHODS, default="sdp", help="training method (default sdp)")
+    p.add_argument("--model", type=_model_name, default="mlp", metavar="{mlp,resnet,llama,hf:DIR}",
+                   help="hf:DIR: a transformers causal LM (DIR/config.json; weights optional), on token data; "
+                        'needs pip install "subnet_ext[hf]"')
+    p.add_argument("--preset", default=None, help="model preset (mlp: tiny; resnet: tiny|small|resnet18; "
+                                                  "llama: tiny|small|medium|134m|1b)")
+    p.add_argument("--width", type=int, default=None, help="override the preset's width")
+    p.add_argument("--data", default="digits",
+                   help="digits (bundled, default) | cifar:PATH (python-pickle layout) | synthetic | tokens:PATH.bin")
+    sdp = p.add_argument_group("SDP")
+    sdp.add_argument("--level", choices=("block", "neuron"), default="block")
+    sdp.add_argument("--regime", choices=("forward", "backward"), default="forward")
+    sdp.add_argument("--coverage", type=float, default=0.5, help="fraction of ranks owning each unit, in (0, 1]")
+    sdp.add_argument("--sync-every", type=int, default=1, help="H: average parameters every H steps (H>1)")
+    sdp.add_argument("--scale", choices=("none", "inverse"), default="none")
+    sdp.add_argument("--bucket-cap-mb", type=float, default=DEFAULT_BUCKET_CAP_MB,
+                     help="MiB per packed collective (SDP buckets; DDP's bucket_cap_mb too)")
+    sdp.add_argument("--no-overlap", action="store_true",
+                     help="issue SDP's all-reduces after the backward instead of during it (for measurement)")
+    sdp.add_argument("--simulate-rank", type=int, default=None, metavar="R",
+                     help="run only rank R of a --world-size K SDP job, alone on this device; collectives "
+                          "become no-ops that still count bytes (measures one rank's memory and time)")
+    sdp.add_argument("--world-size", type=int, default=None, metavar="K", help="K for --simulate-rank")
+    sdp.add_argument("--shard-shared", action="store_true",
+                     help="shard the shared parameters (embeddings, head, norms, ...) over the ranks with torch FSDP2; "
+                          "SDP averages only the units")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch-size", type=int, default=32, help="per rank")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (llama)")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: only at the end)")
+    _add_training_args(p)
+    run = p.add_argument_group("launch")
+    run.add_argument("--nproc", type=int, default=None, help="start N local workers (not under torchrun)")
+    run.add_argument("--backend", default="auto", help="auto (nccl on GPU, gloo on CPU) | gloo | nccl")
+    run.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    run.add_argument("--timeout", type=float, default=300.0,
+                     help="seconds any collective may take before the run stops with an error naming it")
+    rel = p.add_argument_group("reliability")
+    rel.add_argument("--verify-every", type=int, default=0,
+                     help="every N steps, check that the owners of every unit hold identical values (0: never)")
+    rel.add_argument("--max-skipped", type=int, default=None,
+                     help="stop after more than K steps were skipped for inf/NaN gradients (default: never stop)")
+    ck = p.add_argument_group("checkpoints and output")
+    ck.add_argument("--save-dir", default=None)
+    ck.add_argument("--save-every", type=int, default=0)
+    ck.add_argument("--keep-last", type=int, default=3, help="keep the newest N checkpoints (default 3)")
+    ck.add_argument("--resume", nargs="?", const="latest", default=None, metavar="latest|auto|PATH",
+                    help="continue from the newest good checkpoint in --save-dir (latest, the default), from it "
+                         "if there is one (auto: otherwise start fresh; for torchrun --max-restarts), or from "
+                         "the checkpoint folder PATH")
+    ck.add_argument("--out", default=None, help="folder for report.json, report.md and plots")
+    ck.add_argument("--stop-after", type=int, default=0, help=argparse.SUPPRESS)  # interruption, for tests
+    return p
+
+
+def _add_training_args(p: argparse.ArgumentParser) -> None:
+    from .training import LR_SCHEDULES, PRECISIONS
+
+    t = p.add_argument_group("optimizer step (the same for every method)")
+    t.add_argument("--grad-clip", type=float, default=None, metavar="MAX",
+                   help="clip the global gradient 2-norm to MAX (sdp: the synchronised gradient's norm); the "
+                        "pre-clip norm goes to history['grad_norm']")
+    t.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32",
+                   help="autocast dtype of forward + loss; fp16 adds a loss scaler whose skips every rank agrees on")
+    t.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each residual block in backward (non-reentrant torch.utils.checkpoint)")
+    t.add_argument("--compile", action="store_true",
+                   help="torch.compile the training forward (sdp/ddp: the wrapper; fsdp: the model)")
+    t.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
+                   help="constant, or cosine to 0 at --steps (after the warmup)")
+    t.add_argument("--warmup-steps", type=int, default=0, help="linear warmup over N optimizer steps")
+    t.add_argument("--grad-accum", type=int, default=1, metavar="N",
+                   help="micro-batches of --batch-size per optimizer step (the first N-1 without communication)")
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Rejects values argparse's types cannot, with the value in the message."""
+    if not 0.0 < args.coverage <= 1.0:
+        p.error(f"--coverage must be in (0, 1], got {args.coverage}")
+    if not 0 <= args.seed < 2**31:
+        p.error(f"--seed must be in [0, 2**31), got {args.seed}")
+    for name in ("steps", "batch_size", "seq_len", "sync_every", "grad_accum"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    for name in ("eval_every", "save_every", "stop_after", "verify_every", "warmup_steps"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if not (args.lr > 0 and math.isfinite(args.lr)):
+        p.error(f"--lr must be positive and finite, got {args.lr}")
+    if not (args.weight_decay >= 0 and math.isfinite(args.weight_decay)):
+        p.error(f"--weight-decay must be >= 0 and finite, got {args.weight_decay}")
+    _check_training_args(p, args)
+    if args.width is not None and args.width < 1:
+        p.error(f"--width must be at least 1, got {args.width}")
+    _check_preset(p, args)
+    if args.nproc is not None and args.nproc < 1:
+        p.error(f"--nproc must be at least 1, got {args.nproc}")
+    try:  # refused here, before any worker starts (e.g. --device cuda --nproc 2 on one GPU)
+        choose_backend(args.backend, args.device, args.nproc or 1)
+    except ValueError as e:
+        p.error(str(e))
+    if not (args.timeout > 0 and math.isfinite(args.timeout)):
+        p.error(f"--timeout must be a positive, finite number of seconds, got {args.timeout}")
+    if args.keep_last < 1:
+        p.error(f"--keep-last must be at least 1, got {args.keep_last}")
+    if args.max_skipped is not None and args.max_skipped < 0:
+        p.error(f"--max-skipped must be >= 0, got {args.max_skipped}")
+    if args.verify_every and args.method == "fsdp":
+        p.error("--verify-every needs replicated copies to compare (sdp or ddp); fsdp shards every parameter")
+    if args.verify_every and args.verify_every % args.sync_every:
+        p.error(f"--verify-every {args.verify_every} must be a multiple of --sync-every {args.sync_every}: owners "
+                "agree only right after the steps that average")
+    _check_checkpoint_args(p, args)
+    if not args.bucket_cap_mb > 0:
+        p.error(f"--bucket-cap-mb must be positive, got {args.bucket_cap_mb}")
+    _check_shard_shared(p, args)
+    if (args.simulate_rank is None) != (args.world_size is None):
+        p.error("--simulate-rank R and --world-size K go together")
+    if args.simulate_rank is not None:
+        if args.method != "sdp":
+            p.error(f"--simulate-rank applies to --method sdp (a full replica is --method ddp --nproc 1), "
+                    f"got --method {args.method}")
+        if args.world_size < 1 or not 0 <= args.simulate_rank < args.world_size:
+            p.error(f"--simulate-rank must be in [0, --world-size), got {args.simulate_rank} of {args.world_size}")
+        if (args.nproc or 1) != 1:
+            p.error(f"--simulate-rank runs one process; drop --nproc {args.nproc}")
+        if args.save_dir:
+            p.error("--simulate-rank holds one rank's share of the model, so it cannot write checkpoints; "
+                    "drop --save-dir")
+        if args.verify_every:
+            p.error("--verify-every compares the owners' copies, but --simulate-rank runs one rank alone; "
+                    "drop --verify-every")
+    if args.data.startswith(("cifar:", "tokens:")) and not os.path.exists(args.data.split(":", 1)[1]):
+        p.error(f"--data {args.data}: path {args.data.split(':', 1)[1]!r} does not exist")
+
+
+def _check_shard_shared(p, args) -> None:
+    if args.shard_shared and (args.method != "sdp" or args.simulate_rank is not None or args.sync_every > 1):
+        p.error("--shard-shared applies to --method sdp with --sync-every 1 and without --simulate-rank (FSDP2 "
+                f"shards over real ranks, every step); got --method {args.method}, --sync-every {args.sync_every}"
+                + (f", --simulate-rank {args.simulate_rank}" if args.simulate_rank is not None else ""))
+
+
+def _check_training_args(p, args) -> None:
+    if args.grad_clip is not None and not (args.grad_clip > 0 and math.isfinite(args.grad_clip)):
+        p.error(f"--grad-clip must be positive and finite, got {args.grad_clip}")
+    if args.warmup_steps >= args.steps and args.warmup_steps:
+        p.error(f"--warmup-steps {args.warmup_steps} must be less than --steps {args.steps}")
+    if args.model.startswith("hf:") and (args.preset is not None or args.width is not None):
+        p.error(f"--preset and --width apply to the project's models; --model {args.model} takes its size from "
+                "DIR/config.json")
+    if args.model.startswith("hf:") and not os.path.isfile(os.path.join(args.model[3:], "config.json")):
+        p.error(f"--model {args.model}: {os.path.join(args.model[3:], 'config.json')!r} does not exist")
+
+
+def _check_preset(p, args) -> None:
+    from ..models.llama import LLAMA_PRESETS
+
+    if args.model == "llama" and args.preset not in (None, *LLAMA_PRESETS):
+        p.error(f"--preset {args.preset!r} is not a llama preset; choose one of {', '.join(LLAMA_PRESETS)}")
+    if args.model not in ("llama",) and not args.model.startswith("hf:") and args.preset is not None:
+        p.error(f"--preset applies to --model llama only, got --preset {args.preset!r} with --model {args.model}")
+    if args.model == "llama" and args.width is not None:
+        p.error("--width does not apply to llama; pick a --preset instead")
+
+
+def _check_checkpoint_args(p, args) -> None:
+    from ..state.checkpoint import list_checkpoints
+
+    if args.resume in ("latest", "auto") and not args.save_dir:
+        p.error(f"--resume needs --save-dir (--resume {args.resume} looks for checkpoints there)")
+    if args.resume not in (None, "latest", "auto") and not os.path.isdir(args.resume):
+        p.error(f"--resume {args.resume!r}: no such checkpoint folder (use latest, auto or a step-N folder)")
+    if args.save_dir and os.path.exists(args.save_dir) and not os.path.isdir(args.save_dir):
+        p.error(f"--save-dir {args.save_dir!r} exists and is not a folder")
+    if args.save_dir and not args.resume and list_checkpoints(args.save_dir):
+        p.error(f"--save-dir {args.save_dir!r} already holds checkpoints of a run; continue it with --resume "
+                "(or --resume auto), or choose another folder (checkpoints are never overwritten silently)")
+
+
+def training_args(**overrides) -> argparse.Namespace:
+    """The arguments of one run as `subnet-train` would parse them: the defaults, with
+    `overrides` (attribute names: method="sdp", batch_size=16, ...), checked by check_args.
+    For programs that launch runs (compare) without building command lines.
+
+    Raises:
+        ValueError: an unknown setting, or a value check_args refuses (its message).
+    """
+    parser = build_parser()
+    args = parser.parse_args([])
+    unknown = sorted(set(overrides) - set(vars(args)))
+    if unknown:
+        raise ValueError(f"training_args: unknown setting(s) {unknown}; known: {sorted(vars(args))}")
+    vars(args).update(overrides)
+
+    def refuse(message):
+        raise ValueError(message)
+
+    parser.error = refuse  # check_args reports through parser.error: a ValueError here, not an exit
+    check_args(parser, args)
+    return args

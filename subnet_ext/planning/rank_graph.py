@@ -1,0 +1,50 @@
+"""The rank graph: ranks are adjacent when they share a unit (DESIGN.md §1).
+
+Shared parameters do not count: every rank holds them, so counting them would make
+every graph complete and the connectivity check meaningless. The spectral gap (second-
+smallest eigenvalue of the normalised Laplacian) measures how well the subnetworks mix.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def rank_graph(owners: torch.Tensor) -> np.ndarray:
+    """[K, K] float64 from the bool owner matrix [K, U]: units two ranks share, diagonal 0."""
+    m = owners.double().numpy()
+    adj = m @ m.T
+    np.fill_diagonal(adj, 0.0)
+    return adj
+
+
+def components(adj: np.ndarray) -> list[list[int]]:
+    """Connected components of a [K, K] adjacency, each a sorted list of ranks, by smallest rank."""
+    left, out = set(range(adj.shape[0])), []
+    while left:
+        seen, todo = {min(left)}, [min(left)]
+        while todo:
+            i = todo.pop()
+            for j in np.nonzero(adj[i])[0].tolist():
+                if j not in seen:
+                    seen.add(j)
+                    todo.append(j)
+        out.append(sorted(seen))
+        left -= seen
+    return out
+
+
+def spectral_gap(adj: np.ndarray) -> float:
+    """Second-smallest eigenvalue of the normalised Laplacian of a [K, K] adjacency (0 = disconnected).
+
+    Chung's convention: an isolated rank's diagonal entry is 0, so every component,
+    isolated ranks included, contributes one zero eigenvalue. One rank: 1.0.
+    """
+    k = adj.shape[0]
+    if k == 1:
+        return 1.0
+    deg = adj.sum(1)
+    with np.errstate(divide="ignore"):
+        inv = np.where(deg > 0, 1.0 / np.sqrt(deg), 0.0)
+    lap = np.diag((deg > 0).astype(np.float64)) - inv[:, None] * adj * inv[None, :]
+    return max(0.0, float(np.sort(np.linalg.eigvalsh(lap))[1]))

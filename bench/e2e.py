@@ -48,6 +48,7 @@ class Config:
     coverage: float | None = None
     overlap: bool = True
     simulate: bool = False  # every rank simulates itself: no communication at all
+    shard_shared: bool = False  # SDP with the shared parameters sharded by FSDP2
     device: str = "cpu"  # "cpu" or "cuda"
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
     steps: int = 6  # at least this many timed steps ...
@@ -61,7 +62,8 @@ class Config:
     def label(self) -> str:
         if self.method != "sdp":
             return self.method
-        extra = ("" if self.overlap else "-no-overlap") + ("-no-comm" if self.simulate else "")
+        extra = ("" if self.overlap else "-no-overlap") + ("-no-comm" if self.simulate else "") + \
+            ("-shard" if self.shard_shared else "")
         return f"sdp-{self.level}-{self.regime}-c{self.coverage:g}{extra}"
 
 
@@ -90,7 +92,8 @@ def measure(rank: int, world: int, cfg: Config) -> dict:
     else:
         plan = plan_subnetworks(model, world_size=world, coverage=cfg.coverage, level=cfg.level)
         method = SDPMethod(model, plan, cfg.regime, 1, "none", bucket_cap_mb=cfg.bucket_cap_mb,
-                           overlap=cfg.overlap, simulate_rank=rank if cfg.simulate else None)
+                           overlap=cfg.overlap, simulate_rank=rank if cfg.simulate else None,
+                           shard_shared=cfg.shard_shared)
     optimizer = torch.optim.AdamW(method.parameters(), lr=1e-3)
     source = SyntheticTokens(LLAMA_PRESETS[cfg.model].vocab_size, cfg.seq_len, seed=0)
     gen = torch.Generator().manual_seed(1000 + rank)
@@ -128,11 +131,14 @@ def measure(rank: int, world: int, cfg: Config) -> dict:
         loss = train_step()
         ends.append(time.perf_counter())
     comm = method.comm()
+    fsdp = comm.get("fsdp") or {"bytes": 0, "collectives": 0}  # SDP's sharded part: predicted from sizes
+    predicted = method.sdp.predicted_model_state_bytes() if cfg.method == "sdp" else float("nan")
     peak = (proc_status_bytes("VmHWM") if device.type == "cpu" else torch.cuda.max_memory_allocated(device)) - rss_before
     steady = [b - a for a, b in zip(ends, ends[1:])]
     return {"step_s": statistics.median(steady), "timed_steps": timed, "model_state": memory["model_state"],
-            "peak_growth": peak, "comm_bytes": comm["bytes_per_step"],
-            "collectives": comm["collectives_per_step"], "loss": loss.item()}
+            "peak_growth": peak, "comm_bytes": comm["bytes_per_step"] + fsdp["bytes"],
+            "collectives": comm["collectives_per_step"] + fsdp["collectives"], "loss": loss.item(),
+            "predicted_model_state": predicted}
 
 
 def run_config(cfg: Config) -> dict:
@@ -146,7 +152,7 @@ def run_config(cfg: Config) -> dict:
         return {"error": (lines[0] if lines else str(e))[:200]}
     # Steps are synchronous, so the slowest rank is the step time; memory: the worst rank.
     return {k: max(r[k] for r in ranks) for k in ("step_s", "model_state", "peak_growth", "comm_bytes",
-                                                    "collectives")}
+                                                    "collectives", "predicted_model_state")}
 
 
 def _mib(b):
@@ -166,8 +172,10 @@ def grid(opts) -> list[Config]:
                         bucket_cap_mb=opts.bucket_cap_mb, device=opts.device)
             configs += [Config(method=m, **base) for m in ("ddp", "fsdp") if m in opts.methods]
             for level, regime in (opts.sdp_variants if "sdp" in opts.methods else ()):
-                for c in opts.coverages:
-                    configs.append(Config(method="sdp", level=level, regime=regime, coverage=c, **base))
+                for c in (c for k, c in opts.coverages if k in (None, world)):
+                    for shard in {"off": (False,), "also": (False, True), "only": (True,)}[opts.shard_shared]:
+                        configs.append(Config(method="sdp", level=level, regime=regime, coverage=c,
+                                              shard_shared=shard, **base))
     return configs
 
 
@@ -265,11 +273,42 @@ def targets(results, overlap_res, small_model: str) -> list[str]:
     return out
 
 
+def shard_targets(results, small_model: str) -> list[str]:
+    """Issue 16's targets for SDP with sharded shared parameters (rows only when they ran)."""
+    find = lambda **kw: next((r for c, r in results if all(getattr(c, k) == v for k, v in kw.items())  # noqa: E731
+                              and "error" not in r), None)
+    sdp = dict(model=small_model, method="sdp", level="block", regime="forward", shard_shared=True)
+    out = []
+    ddp2, shard2 = find(model=small_model, world=2, method="ddp"), find(world=2, coverage=0.5, **sdp)
+    if ddp2 and shard2:
+        m, t = shard2["model_state"] / ddp2["model_state"], shard2["step_s"] / ddp2["step_s"]
+        out.append(f"- llama {small_model}, 2 ranks, sdp block forward c0.5 shard: model state {m:.3f}× DDP (target "
+                   f"≤ 0.52): {'PASS' if m <= 0.52 else 'FAIL'}; step time {t:.3f}× DDP (target ≤ 0.75): "
+                   f"{'PASS' if t <= 0.75 else 'FAIL'}")
+    ddp4, fsdp4 = find(model=small_model, world=4, method="ddp"), find(model=small_model, world=4, method="fsdp")
+    shard4 = find(world=4, coverage=0.25, **sdp)
+    if ddp4 and fsdp4 and shard4:
+        m, t = shard4["model_state"] / ddp4["model_state"], shard4["step_s"] / fsdp4["step_s"]
+        f4 = fsdp4["model_state"] / ddp4["model_state"]
+        out.append(f"- llama {small_model}, 4 ranks, sdp block forward c0.25 shard: model state {m:.3f}× DDP (target "
+                   f"≤ 0.28; FSDP2 {f4:.3f}): {'PASS' if m <= 0.28 else 'FAIL'}; "
+                   f"step time {t:.3f}× FSDP2 (target ≤ 0.6): {'PASS' if t <= 0.6 else 'FAIL'}")
+    for c, r in results:
+        if c.shard_shared and "error" not in r:
+            e = r["predicted_model_state"] / r["model_state"] - 1
+            out.append(f"- {c.model} K={c.world} {c.label}: subnet-plan's model state "
+                       f"{_mib(r['predicted_model_state'])} MiB vs measured {_mib(r['model_state'])} MiB "
+                       f"({100 * e:+.1f}%, target within 5%): "
+                       f"{'PASS' if abs(e) <= 0.05 else 'FAIL'}")
+    return ["", "Targets (issue 16, sharded shared parameters, CPU):", *out] if out else []
+
+
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="tiny,small,medium", help="llama presets, comma-separated")
     p.add_argument("--worlds", default="2,4", help="world sizes, comma-separated")
-    p.add_argument("--coverages", default="0.25,0.5,1.0")
+    p.add_argument("--coverages", default="0.25,0.5,1.0",
+                   help="SDP coverages, comma-separated; K:C runs coverage C at world size K only (e.g. 2:0.5,4:0.25)")
     p.add_argument("--steps", type=int, default=6, help="at least this many timed steps per configuration")
     p.add_argument("--min-seconds", type=float, default=3.0,
                    help="and at least this many seconds of timed steps (at most 60 steps)")
@@ -286,6 +325,9 @@ def parse(argv=None):
     p.add_argument("--sdp-variants", default=",".join(f"{lv}-{rg}" for lv, rg in SDP_VARIANTS),
                    help="SDP level-regime pairs, comma-separated (e.g. block-forward)")
     p.add_argument("--skip-overlap", action="store_true", help="leave out the overlap experiment")
+    p.add_argument("--shard-shared", choices=("off", "also", "only"), default="off",
+                   help="SDP rows with the shared parameters sharded by FSDP2 (sdp-*-shard): none, beside the "
+                        "unsharded rows, or instead of them")
     opts = p.parse_args(argv)
     opts.methods = opts.methods.split(",")
     if not opts.methods or set(opts.methods) - set(METHOD_ORDER):
@@ -297,7 +339,8 @@ def parse(argv=None):
         p.error("--device cuda: no GPU is visible")
     opts.models = opts.models.split(",")
     opts.worlds = [int(k) for k in opts.worlds.split(",")]
-    opts.coverages = [float(c) for c in opts.coverages.split(",")]
+    opts.coverages = [(int(c.split(":")[0]), float(c.split(":")[1])) if ":" in c else (None, float(c))
+                      for c in opts.coverages.split(",")]
     return opts
 
 
@@ -324,12 +367,14 @@ def main(argv=None) -> int:
         "Model state: parameters + gradients + optimizer state held by the worst rank (tensor accounting). "
         "Peak RSS growth: the worst rank's resident-memory high-water mark minus its resident memory before the "
         "model was built. Comm: bytes handed to collectives per step (DDP: counted in a comm hook; SDP: counted "
-        "by its communicator; FSDP2: predicted from its fixed schedule).",
+        "by its communicator; FSDP2: predicted from its fixed schedule; sdp-*-shard rows: SDP's counted bytes plus "
+        "FSDP2's all-gather + reduce-scatter of the shared parameters, predicted from their sizes).",
         *([f"Device: {torch.cuda.get_device_name(0)}, ranks on GPU rank % {torch.cuda.device_count()}; the peak "
            "RSS growth column is the CUDA allocator's peak minus what was allocated before the model was built."]
           if opts.device == "cuda" else []), "",
         *main_table(results), *growth_tables(results, opts.models, opts.worlds), "", *overlap_lines,
         *targets(results, overlap_res, "small" if "small" in opts.models else opts.models[0]),
+        *shard_targets(results, "small" if "small" in opts.models else opts.models[0]),
     ]
     text = "\n".join(lines) + "\n"
     os.makedirs(os.path.dirname(opts.out) or ".", exist_ok=True)

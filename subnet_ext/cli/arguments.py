@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run only rank R of a --world-size K SDP job, alone on this device; collectives "
                           "become no-ops that still count bytes (measures one rank's memory and time)")
     sdp.add_argument("--world-size", type=int, default=None, metavar="K", help="K for --simulate-rank")
+    sdp.add_argument("--shard-shared", action="store_true",
+                     help="shard the shared parameters (embeddings, head, norms, ...) over the ranks with torch FSDP2; "
+                          "SDP averages only the units")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
@@ -138,6 +141,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     _check_checkpoint_args(p, args)
     if not args.bucket_cap_mb > 0:
         p.error(f"--bucket-cap-mb must be positive, got {args.bucket_cap_mb}")
+    _check_shard_shared(p, args)
     if (args.simulate_rank is None) != (args.world_size is None):
         p.error("--simulate-rank R and --world-size K go together")
     if args.simulate_rank is not None:
@@ -156,6 +160,13 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                     "drop --verify-every")
     if args.data.startswith(("cifar:", "tokens:")) and not os.path.exists(args.data.split(":", 1)[1]):
         p.error(f"--data {args.data}: path {args.data.split(':', 1)[1]!r} does not exist")
+
+
+def _check_shard_shared(p, args) -> None:
+    if args.shard_shared and (args.method != "sdp" or args.simulate_rank is not None or args.sync_every > 1):
+        p.error("--shard-shared applies to --method sdp with --sync-every 1 and without --simulate-rank (FSDP2 "
+                f"shards over real ranks, every step); got --method {args.method}, --sync-every {args.sync_every}"
+                + (f", --simulate-rank {args.simulate_rank}" if args.simulate_rank is not None else ""))
 
 
 def _check_training_args(p, args) -> None:

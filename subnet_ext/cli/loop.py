@@ -52,7 +52,7 @@ def make_method(args: Namespace, model, device):
                             seed=args.seed, sample_input=sample)
     return SDPMethod(model, plan, args.regime, args.sync_every, args.scale, bucket_cap_mb=bucket_cap_mb,
                      overlap=not getattr(args, "no_overlap", False), simulate_rank=getattr(args, "simulate_rank", None),
-                     timeout=args.timeout)
+                     timeout=args.timeout, shard_shared=getattr(args, "shard_shared", False))
 
 
 @torch.no_grad()

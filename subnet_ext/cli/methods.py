@@ -281,13 +281,13 @@ class SDPMethod(Method):
     name = "sdp"
 
     def __init__(self, model, plan, regime, sync_every, scale, process_group=None, bucket_cap_mb=DEFAULT_BUCKET_CAP_MB,
-                 overlap=True, simulate_rank=None, timeout=None):
+                 overlap=True, simulate_rank=None, timeout=None, shard_shared=False):
         from ..engine import SubnetDataParallel
 
         super().__init__(model)
         self.sdp = SubnetDataParallel(model, plan, regime=regime, sync_every=sync_every, scale=scale,
                                       process_group=process_group, bucket_cap_mb=bucket_cap_mb, overlap=overlap,
-                                      simulate_rank=simulate_rank, timeout=timeout)
+                                      simulate_rank=simulate_rank, timeout=timeout, shard_shared=shard_shared)
         self.plan = plan
 
     def forward_module(self):

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from ..planning.costs import choose_strategy, predicted_comm
+from ..planning.sharding import predicted_fsdp_comm, predicted_sharded_model_state
 from ..models import LLAMA_PRESETS, build_model
 from ..planning.plan import plan_subnetworks
 
@@ -38,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--seq-len", type=int, default=64, help="llama: tokens in the traced sample (FLOPs)")
     p.add_argument("--json", default=None, help="also write the plan as JSON to this path")
+    p.add_argument("--shard-shared", action="store_true",
+                   help="also predict SDP with the shared parameters sharded by FSDP2 (SubnetDataParallel shard_shared)")
     return p
 
 
@@ -67,8 +70,22 @@ def sample_input_for(model_name: str, model: nn.Module, seq_len: int = 64, data:
     raise ValueError(f"no sample input known for model {model_name!r}; expected llama, mlp, plain_mlp or resnet")
 
 
-def cost_table(plan, regime: str) -> str:
-    """Markdown table: worst-rank model state and per-step communication of DDP, FSDP, SDP."""
+def sharded_row(plan, regime: str, strategy: str) -> tuple:
+    """(label, model state, ring bytes, collectives) of SDP with shard_shared: units as SDP,
+    shared / K x (params + grads + AdamW), FSDP2's all-gather + reduce-scatter of the
+    shared part ((K-1)/K of the full buffer moved per rank each)."""
+    k = plan.world_size
+    state = max(predicted_sharded_model_state(plan, r, regime) for r in range(k))
+    units = [predicted_comm(plan, r, strategy, regime, shard_shared=True) for r in range(k)]
+    fsdp = predicted_fsdp_comm(plan)
+    ring = max(c["ring_bytes"] for c in units) + (k - 1) / k * fsdp["bytes"]
+    return (f"sdp ({plan.level}, {regime}, C={plan.coverage:g}, {strategy}, shard-shared)", state, ring,
+            max(c["collectives"] for c in units) + fsdp["collectives"])
+
+
+def cost_table(plan, regime: str, shard_shared: bool = False) -> str:
+    """Markdown table: worst-rank model state and per-step communication of DDP, FSDP, SDP
+    (and SDP with sharded shared parameters when `shard_shared`)."""
     k, full = plan.world_size, plan.full_bytes
     strategy, _ = choose_strategy(plan)
     sdp_state = max(float(plan.bytes_per_rank[r]) * (4 if regime == "forward" else 3) +
@@ -80,6 +97,8 @@ def cost_table(plan, regime: str) -> str:
         (f"sdp ({plan.level}, {regime}, C={plan.coverage:g}, {strategy})", sdp_state,
          max(c["ring_bytes"] for c in sdp_comm), max(c["collectives"] for c in sdp_comm)),
     ]
+    if shard_shared:
+        rows.append(sharded_row(plan, regime, choose_strategy(plan, shard_shared=True)[0]))
     lines = ["| method | model state MiB/rank | ×ddp | comm MiB/step/rank | ×ddp | collectives/step |",
              "|---|---:|---:|---:|---:|---:|"]
     for name, state, comm, count in rows:
@@ -114,7 +133,7 @@ def main(argv=None) -> int:
     imb = plan.imbalance
     print(f"\nimbalance (max/mean - 1): bytes {imb['bytes']:.1%}, FLOPs {imb['flops']:.1%} ({plan.flops_source})")
     print("\nPredicted per-rank costs (fp32 + AdamW; ring all-reduce bytes):\n")
-    print(cost_table(plan, args.regime))
+    print(cost_table(plan, args.regime, args.shard_shared))
     if args.json:
         with open(args.json, "w") as f:
             f.write(plan.to_json())

@@ -44,6 +44,10 @@ def _held_gradients(sdp) -> Iterator[tuple[Piece, torch.Tensor]]:
         if id(param) not in sdp._trainable_ids or param.grad is None:
             continue
         grad = param.grad
+        if layout.is_sharded(piece):  # shard_shared: this rank's rows of the reduce-scattered mean
+            local = grad.to_local()
+            yield piece, local.reshape(local.shape[0], -1)
+            continue
         if own is not None:
             r0, r1, c0, c1 = rectangle(grad.shape, 0, 0, grad.shape[0] if grad.dim() else 1)
         else:
@@ -74,7 +78,8 @@ def synchronised_grad_norm(sdp, norm_type: float = 2.0) -> torch.Tensor:
     inside no_sync(), where each rank holds only its own sum). An engine simulating one
     rank (simulate_rank) returns the share of the pieces that rank leads."""
     norm_type = _check_args(1.0, norm_type)
-    led = [view for piece, view in _held_gradients(sdp) if piece.leader == sdp.rank]
+    # A sharded shared parameter's rows are held once each, by one rank: every rank counts its own.
+    led = [view for piece, view in _held_gradients(sdp) if piece.leader == sdp.rank or sdp.layout.is_sharded(piece)]
     device = led[0].device if led else sdp.device
     if led:
         # Per-piece norms in fp32 (halves accumulate in fp32), then the norm of the norms.
@@ -117,5 +122,13 @@ def clip_grad_norm_(sdp, max_norm: float, norm_type: float = 2.0, error_if_nonfi
                            f"non-finite ({total.item()}), so it cannot be clipped; pass error_if_nonfinite=False "
                            "to scale by a NaN coefficient anyway, or skip the step (subnet_ext.GradScaler, "
                            "NonFiniteGuard).")
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
+    if sdp.shared_shards is None:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
+        return total
+    # DTensor shards beside plain tensors: the same coefficient as torch's, applied to local tensors.
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    with torch.no_grad():
+        for p in params:
+            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            g.mul_(coefficient.to(g.device, g.dtype))
     return total

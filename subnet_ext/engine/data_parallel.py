@@ -16,9 +16,15 @@ regime, at those same synchronisation points (every step when sync_every=1), ref
 the copies of units this rank does not own; between them those copies keep their last
 refreshed values and the full forward uses them. All of these issue
 collectives in one global order, so they cannot deadlock.
+
+With shard_shared=True (sharding.py) the plan's shared parameters are DTensor shards
+managed by torch's FSDP2 (all-gathered before the forward and kept until the end of the
+backward, gradients reduce-scattered as the mean over the world, optimizer state sharded);
+the buckets then hold the units only. Not with simulate_rank, sync_every > 1 or close().
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -37,45 +43,15 @@ from ..state import optim_state
 from ..comm.collectives import as_timedelta
 from ..planning.costs import DEFAULT_LATENCY_BYTES, choose_strategy
 from ..planning.pieces import global_pieces
+from ..planning.sharding import communicated_pieces
 from ..planning.plan import SubnetPlan, model_fingerprint
 from ..state.aliases import with_aliases, without_aliases
 from ..state.assembly import assemble, load_pieces
 from ..state.layout import RankLayout
 from .restore import meta_skeleton, restore_structure
+from .setup import REGIMES, SCALES, check_arguments, weak_call, world_and_rank  # noqa: F401
+from .sharding import SharedShards
 from .surgery import attach_direct_gradients, materialise_forward, prepare_backward
-
-REGIMES = ("forward", "backward")
-SCALES = ("none", "inverse")
-
-
-def _world_and_rank(plan: SubnetPlan, process_group, simulate_rank) -> tuple[int, int]:
-    """(world size, rank) this engine runs as: the simulated rank, the group's, or (1, 0)."""
-    if simulate_rank is not None:
-        if process_group is not None:
-            raise ValueError("simulate_rank runs one rank alone; it takes no process_group")
-        if not isinstance(simulate_rank, int) or isinstance(simulate_rank, bool) or \
-                not 0 <= simulate_rank < plan.world_size:
-            raise ValueError(f"simulate_rank must be a rank of the plan's world size {plan.world_size}, "
-                             f"got {simulate_rank!r}")
-        return plan.world_size, simulate_rank
-    if dist.is_initialized():
-        return dist.get_world_size(process_group), dist.get_rank(process_group)
-    if process_group is not None:
-        raise ValueError("a process_group was given but torch.distributed is not initialised")
-    return 1, 0
-
-
-def _weak_call(engine_ref, fn):
-    """A hook calling fn(engine, *args) while the engine lives, and nothing after."""
-
-    def hook(*args):
-        engine = engine_ref()
-        if engine is not None:
-            return fn(engine, *args)
-        return None
-
-    return hook
-
 
 class SubnetDataParallel(nn.Module):
     """Wraps `model` (modified in place) so this rank trains its subnetwork of `plan`.
@@ -101,28 +77,20 @@ class SubnetDataParallel(nn.Module):
         timeout: seconds any of the engine's collectives may take before it raises a
             CollectiveError naming the operation and the group (None: the process
             group's own timeout). See collectives.py.
+        shard_shared: shard the plan's shared parameters over the group with torch's FSDP2
+            (gathered per use, gradients reduce-scattered, optimizer state sharded); SDP
+            averages only the units. Needs sync_every=1 and no simulate_rank. See sharding.py.
     """
 
     def __init__(self, model: nn.Module, plan: SubnetPlan, regime: str = "forward", sync_every: int = 1,
                  scale: str = "none", process_group=None, strategy: str = "auto",
                  latency_bytes: float = DEFAULT_LATENCY_BYTES, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
-                 overlap: bool = True, simulate_rank: int | None = None, timeout: float | None = None):
+                 overlap: bool = True, simulate_rank: int | None = None, timeout: float | None = None,
+                 shard_shared: bool = False):
         super().__init__()
-        if not isinstance(plan, SubnetPlan):
-            raise ValueError(f"plan must be a SubnetPlan, got {type(plan).__name__}")
-        if regime not in REGIMES:
-            raise ValueError(f"regime must be 'forward' or 'backward', got {regime!r}")
-        if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
-            raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
-        if scale not in SCALES:
-            raise ValueError(f"scale must be 'none' or 'inverse', got {scale!r}")
-        if scale == "inverse" and (plan.level != "neuron" or regime != "forward"):
-            raise ValueError(f"scale='inverse' applies to the neuron level in the forward regime; this plan is "
-                             f"level={plan.level!r} and regime={regime!r}")
-        if not (isinstance(bucket_cap_mb, (int, float)) and 0 < bucket_cap_mb < float("inf")):
-            raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
+        check_arguments(plan, regime, sync_every, scale, bucket_cap_mb, shard_shared, simulate_rank is not None)
         self.simulated = simulate_rank is not None
-        self.world_size, self.rank = _world_and_rank(plan, process_group, simulate_rank)
+        self.world_size, self.rank = world_and_rank(plan, process_group, simulate_rank)
         if plan.world_size != self.world_size:
             raise ValueError(f"the plan was made for world size {plan.world_size}, but the process group has "
                              f"{self.world_size} ranks; make the plan with world_size={self.world_size}")
@@ -150,6 +118,7 @@ class SubnetDataParallel(nn.Module):
                                  piece_params=piece_params, value_refs=value_refs)
         self.pieces, self.local_start = self.layout.pieces, self.layout.local_start
         self.integer_entries = self.layout.integer_entries
+        self.shared_shards = SharedShards(model, self.layout, process_group, self.device) if shard_shared else None
 
         self._trainable = [p for p in model.parameters() if p.requires_grad]
         self._trainable_ids = {id(p) for p in self._trainable}
@@ -159,27 +128,30 @@ class SubnetDataParallel(nn.Module):
         if regime == "backward" and sync_every == 1:
             self.direct_gradient_runs = attach_direct_gradients(
                 model, self.layout.piece_params, self._averager.direct_gradient_view,
-                _weak_call(weakref.ref(self), lambda engine, piece: engine._averager.on_grad_ready((piece,))))
+                weak_call(weakref.ref(self), lambda engine, piece: engine._averager.on_grad_ready((piece,))))
         self.optimizer_steps = 0
         for p in self._trainable:
             self._hooks.append(p.register_post_accumulate_grad_hook(
-                _weak_call(weakref.ref(self), lambda engine, param: engine._averager.on_param_grad_ready(param))))
+                weak_call(weakref.ref(self), lambda engine, param: engine._averager.on_param_grad_ready(param))))
         # Hooks hold the engine weakly. The optimizer-hook registry is global, and a tensor's
         # hooks are kept from C++, where Python's garbage collector cannot see the cycle
         # parameter -> hook -> engine -> module -> parameter: strong references would keep
         # every engine, and the process groups it holds, alive until the interpreter shuts
         # down, when destroying a gloo group can abort the process.
         step_hook = register_optimizer_step_post_hook(
-            _weak_call(weakref.ref(self), SubnetDataParallel._on_optimizer_step))
+            weak_call(weakref.ref(self), SubnetDataParallel._on_optimizer_step))
         weakref.finalize(self, step_hook.remove)
         self._hooks.append(step_hook)
 
     def _setup_communication(self, strategy, latency_bytes, bucket_cap_bytes, overlap, timeout) -> None:
         """Strategy (cost model), bucket layout, process groups (or their simulation), averager."""
         self.bucket_cap_bytes = bucket_cap_bytes
-        self.strategy, self.strategy_costs = choose_strategy(self.plan, strategy, latency_bytes, bucket_cap_bytes)
+        sharded = self.shared_shards is not None  # FSDP2 communicates the shared parameters
+        self.strategy, self.strategy_costs = choose_strategy(self.plan, strategy, latency_bytes, bucket_cap_bytes,
+                                                             shard_shared=sharded)
         self.counter = CommCounter()
-        self.buckets = build_buckets(self.plan, self.pieces, self.strategy, bucket_cap_bytes)
+        self.buckets = build_buckets(self.plan, communicated_pieces(self.plan, sharded), self.strategy,
+                                     bucket_cap_bytes)
         owner_sets = [b.owners for b in self.buckets]  # the groups averaging uses; the refresh uses the world
         self._comm = SimulatedCommunicator(self.world_size, self.rank, self.counter) if self.simulated else \
             Communicator(owner_sets, self.world_size, self.rank, self.process_group, self.counter, timeout)
@@ -235,7 +207,10 @@ class SubnetDataParallel(nn.Module):
         """Run this rank's subnetwork (the wrapped model, with its skipped blocks and sliced units)
         on the inputs; same arguments and output shapes as the unwrapped model."""
         self._check_open("forward")
-        return self.module(*args, **kwargs)
+        out = self.module(*args, **kwargs)
+        if self.shared_shards is not None and not torch.is_grad_enabled():
+            self.shared_shards.module.reshard()  # no backward will reshard the gathered shared parameters
+        return out
 
     def no_sync(self):
         """Gradient accumulation without communication, as torch DDP's `no_sync()`.
@@ -249,7 +224,12 @@ class SubnetDataParallel(nn.Module):
             optimizer.step()
         """
         self._check_open("no_sync")
-        return self._averager.no_sync()
+        if self.shared_shards is None:
+            return self._averager.no_sync()
+        stack = contextlib.ExitStack()
+        stack.enter_context(self._averager.no_sync())
+        stack.enter_context(self.shared_shards.no_sync())
+        return stack
 
     def parameters(self, recurse: bool = True):
         """What the optimizer must update: this rank's owned (and shared) parameters."""
@@ -269,7 +249,9 @@ class SubnetDataParallel(nn.Module):
         """This rank's values in the original names and shapes, NaN where it holds nothing."""
         self._check_open("local_full_state_dict")
         if self.regime == "backward":
-            return with_aliases(self.plan, {n: self.value_of(n).detach().clone() for n in self.plan.tensor_shapes})
+            own = assemble(self.layout, reduce=False) if self.shared_shards is not None else {}  # shard rows
+            return with_aliases(self.plan, {n: own[n] if n in self.layout.sharded else self.value_of(n).detach().clone()
+                                            for n in self.plan.tensor_shapes})
         return with_aliases(self.plan, assemble(self.layout, reduce=False))
 
     def load_full_state_dict(self, state_dict: dict) -> None:
@@ -326,8 +308,11 @@ class SubnetDataParallel(nn.Module):
         if "full" in modes:
             self._refuse_if_simulated("evaluate(modes=('full', ...))")
         communicate = self.world_size > 1 and not self.simulated  # simulated: its own subnetwork alone
-        return evaluation.evaluate(self.module, self._skeleton, self.plan, inputs, modes, self.full_state_dict,
-                                   mean_over=(communicate, self.process_group, self.world_size, self.timeout))
+        out = evaluation.evaluate(self.module, self._skeleton, self.plan, inputs, modes, self.full_state_dict,
+                                  mean_over=(communicate, self.process_group, self.world_size, self.timeout))
+        if self.shared_shards is not None:
+            self.shared_shards.module.reshard()  # the no-grad forward left them gathered
+        return out
 
     def _refuse_if_simulated(self, what: str) -> None:
         if self.simulated:
@@ -341,7 +326,7 @@ class SubnetDataParallel(nn.Module):
         self._check_open("comm_stats")
         return reports.comm_stats(self.counter, self.plan, self.rank, self.strategy, self.strategy_costs,
                                   self.regime, self.bucket_cap_bytes, self._averager,
-                                  self.direct_gradient_runs, self.simulated)
+                                  self.direct_gradient_runs, self.simulated, self.shared_shards is not None)
 
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict:
         """Bytes this rank holds: parameters, gradients, optimizer state, buffers.
@@ -353,16 +338,18 @@ class SubnetDataParallel(nn.Module):
         overlap by `gradients_in_buffers`."""
         self._check_open("memory_report")
         return reports.memory_report(self.module, self.layout.local_tensors(), self._averager, self.device,
-                                     optimizer)
+                                     optimizer, self.shared_shards)
 
     def predicted_model_state_bytes(self, optimizer_state_per_param: float = 2.0) -> float:
         """Plan's prediction of parameters + gradients + optimizer state (Adam: 2 x params)."""
-        return reports.predicted_model_state_bytes(self.plan, self.rank, self.regime, optimizer_state_per_param)
+        return reports.predicted_model_state_bytes(self.plan, self.rank, self.regime, optimizer_state_per_param,
+                                                   self.shared_shards is not None)
 
     def extra_repr(self) -> str:
         """regime, level, rank/world size, coverage, sync period and bucket strategy, for repr()."""
         return (f"regime={self.regime!r}, level={self.plan.level!r}, rank={self.rank}/{self.world_size}, "
-                f"coverage={self.plan.coverage}, sync_every={self.sync_every}, strategy={self.strategy!r}")
+                f"coverage={self.plan.coverage}, sync_every={self.sync_every}, strategy={self.strategy!r}, "
+                f"shard_shared={self.shared_shards is not None}")
 
     def close(self) -> None:
         """Give the wrapped model back as it was before wrapping, holding the trained values.
@@ -373,6 +360,9 @@ class SubnetDataParallel(nn.Module):
         the assembled full state is loaded into the model. The engine refuses further use.
         """
         self._check_open("close")
+        if self.shared_shards is not None:
+            raise ValueError("close() cannot give back a model whose shared parameters FSDP2 sharded "
+                             "(shard_shared=True); use full_model() or full_state_dict() for the trained model")
         full = self.full_state_dict()
         for h in self._hooks:
             h.remove()

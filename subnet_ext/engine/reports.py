@@ -7,15 +7,19 @@ import torch
 import torch.nn as nn
 
 from ..planning.costs import predicted_comm
+from ..planning.sharding import predicted_fsdp_comm, predicted_sharded_model_state
+from ..state.held_pieces import local_tensor
 
 
 def comm_stats(counter, plan, rank: int, strategy: str, strategy_costs, regime: str, bucket_cap_bytes: float,
-               averager, direct_gradient_runs: int, simulated: bool) -> dict:
+               averager, direct_gradient_runs: int, simulated: bool, shard_shared: bool = False) -> dict:
     """Bytes handed to collectives and collectives issued, in total and per optimizer step.
 
     Args:
         counter: the engine's CommCounter. averager: its BucketedAverager.
         plan, rank, strategy, regime, bucket_cap_bytes: what the prediction is made for.
+        shard_shared: FSDP2 handles the shared parameters; "fsdp" gives its bytes and
+            collectives per step, predicted from sizes (FSDP2 issues them, SDP does not count them).
     """
     steps = max(1, counter.steps)
     return {
@@ -23,7 +27,9 @@ def comm_stats(counter, plan, rank: int, strategy: str, strategy_costs, regime: 
         "bytes": counter.bytes, "collectives": counter.collectives,
         "bytes_per_step": counter.bytes / steps, "collectives_per_step": counter.collectives / steps,
         "by_quantity": dict(counter.by_quantity),
-        "predicted_per_sync": predicted_comm(plan, rank, strategy, regime, bucket_cap_bytes),
+        "predicted_per_sync": predicted_comm(plan, rank, strategy, regime, bucket_cap_bytes,
+                                             shard_shared=shard_shared),
+        "fsdp": predicted_fsdp_comm(plan) if shard_shared else None,
         "buckets": len(averager.states), "overlap": averager.overlap,
         "buckets_issued_during_backward": averager.issued_during_backward,
         "direct_gradient_runs": direct_gradient_runs,
@@ -49,7 +55,8 @@ def _storage_counter():
     return nbytes
 
 
-def memory_report(module: nn.Module, extra_params: list, averager, device: torch.device, optimizer=None) -> dict:
+def memory_report(module: nn.Module, extra_params: list, averager, device: torch.device, optimizer=None,
+                  shared_shards=None) -> dict:
     """Bytes one rank holds; see SubnetDataParallel.memory_report.
 
     Args:
@@ -57,11 +64,13 @@ def memory_report(module: nn.Module, extra_params: list, averager, device: torch
             (RankLayout.local_tensors()). averager: the BucketedAverager (its buffers).
         device: where the model lives (CUDA: the allocator's peak is reported).
         optimizer: counts its tensor state when given.
+        shared_shards: the engine's SharedShards (shard_shared=True): DTensors count their
+            local shard, and "sharded_shared" reports the shards' parameter bytes.
     """
     nbytes = _storage_counter()
-    params = nbytes(list(module.parameters()) + list(extra_params))
+    params = nbytes([local_tensor(p) for p in module.parameters()] + list(extra_params))
     bucket_storages = averager.buffer_storages()
-    grad_list = [p.grad for p in module.parameters() if p.grad is not None]
+    grad_list = [local_tensor(p.grad) for p in module.parameters() if p.grad is not None]
     in_buffers = {(g.data_ptr(), g.numel() * g.element_size()) for g in grad_list
                   if g.untyped_storage().data_ptr() in bucket_storages}
     grads = nbytes([g for g in grad_list if g.untyped_storage().data_ptr() not in bucket_storages])
@@ -69,7 +78,7 @@ def memory_report(module: nn.Module, extra_params: list, averager, device: torch
     grads += in_buffer_bytes
     state = 0
     if optimizer is not None:
-        state = nbytes([v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)])
+        state = nbytes([local_tensor(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)])
     buffers = nbytes(list(module.buffers()))
     # Peak activations are measurable on CUDA (allocator peak, which includes the model
     # state); on CPU the training loop measures them with saved-tensor accounting.
@@ -77,11 +86,16 @@ def memory_report(module: nn.Module, extra_params: list, averager, device: torch
     return {"parameters": params, "gradients": grads, "optimizer_state": state, "buffers": buffers,
             "model_state": params + grads + state, "peak_allocated": peak,
             "communication_buffers": averager.buffer_bytes,
-            "gradients_in_buffers": in_buffer_bytes}
+            "gradients_in_buffers": in_buffer_bytes,
+            "sharded_shared": shared_shards.local_bytes() if shared_shards is not None else None}
 
 
-def predicted_model_state_bytes(plan, rank: int, regime: str, optimizer_state_per_param: float = 2.0) -> float:
-    """Plan's prediction of parameters + gradients + optimizer state (Adam: 2 x params) in bytes."""
+def predicted_model_state_bytes(plan, rank: int, regime: str, optimizer_state_per_param: float = 2.0,
+                                shard_shared: bool = False) -> float:
+    """Plan's prediction of parameters + gradients + optimizer state (Adam: 2 x params) in bytes
+    (shard_shared: the shared parameters' part is this rank's shard, planning/sharding.py)."""
+    if shard_shared:
+        return predicted_sharded_model_state(plan, rank, regime, optimizer_state_per_param)
     own = float(plan.bytes_per_rank[rank])
     if regime == "backward":
         return plan.full_bytes + own * (1 + optimizer_state_per_param)

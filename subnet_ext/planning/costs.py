@@ -20,8 +20,8 @@ from collections import defaultdict
 
 
 from .buckets import DEFAULT_BUCKET_CAP_MB, build_buckets
-from .pieces import global_pieces
 from .plan import SubnetPlan
+from .sharding import communicated_pieces
 
 STRATEGIES = ("auto", "groups", "zero_filled")
 DEFAULT_LATENCY_BYTES = 256 * 1024  # one collective's fixed cost, as bytes of transfer
@@ -37,16 +37,18 @@ def _unit_dtypes(plan: SubnetPlan) -> list[set]:
 
 
 def predicted_comm(plan: SubnetPlan, rank: int, strategy: str, regime: str = "forward",
-                   bucket_cap_bytes: float = DEFAULT_BUCKET_CAP_MB * 2**20, buckets=None) -> dict:
+                   bucket_cap_bytes: float = DEFAULT_BUCKET_CAP_MB * 2**20, buckets=None,
+                   shard_shared: bool = False) -> dict:
     """Per synchronisation on `rank`: bytes handed to collectives, collectives, ring bytes.
 
     One collective per bucket this rank takes part in (buckets.py: per owner set and
     dtype, cut at `bucket_cap_bytes`); `buckets` may pass a precomputed layout.
+    shard_shared: the shared parameters are left to FSDP2 (sharding.predicted_fsdp_comm).
     """
     if strategy not in ("groups", "zero_filled"):
         raise ValueError(f"strategy must be 'groups' or 'zero_filled', got {strategy!r}")
     if buckets is None:
-        buckets = build_buckets(plan, global_pieces(plan), strategy, bucket_cap_bytes)
+        buckets = build_buckets(plan, communicated_pieces(plan, shard_shared), strategy, bucket_cap_bytes)
     handed = ring = 0.0
     count = 0
     for b in buckets:
@@ -74,12 +76,12 @@ def refresh_bytes(plan: SubnetPlan) -> tuple[float, int]:
 
 
 def choose_strategy(plan: SubnetPlan, requested: str = "auto", latency_bytes: float = DEFAULT_LATENCY_BYTES,
-                    bucket_cap_bytes: float = DEFAULT_BUCKET_CAP_MB * 2**20):
+                    bucket_cap_bytes: float = DEFAULT_BUCKET_CAP_MB * 2**20, shard_shared: bool = False):
     """("groups" | "zero_filled", {strategy: modelled cost of the slowest rank, in bytes})."""
     if requested not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {requested!r}")
     costs = {}
-    pieces = global_pieces(plan)
+    pieces = communicated_pieces(plan, shard_shared)
     for s in ("groups", "zero_filled"):
         worst = 0.0
         buckets = build_buckets(plan, pieces, s, bucket_cap_bytes)

@@ -109,3 +109,12 @@ def owned_indices(pieces: list[Piece], rank: int, name: str) -> tuple[int, torch
         return None
     dim = mine[0].dim
     return dim, torch.cat([torch.arange(p.start, p.start + p.length) for p in mine])
+
+
+def shard_rows(rows: int, rank: int, world_size: int) -> tuple[int, int]:
+    """(first row, row count) of `rank`'s dim-0 shard of a tensor with `rows` rows, as
+    FSDP2 and DTensor's Shard(0) cut it (torch.chunk: ceil(rows / K) rows each, the last
+    ranks possibly fewer or none)."""
+    chunk = -(-rows // world_size)
+    begin = min(rank * chunk, rows)
+    return begin, min(chunk, rows - begin)

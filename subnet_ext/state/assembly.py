@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.collectives import all_reduce_by_dtype, describe_group
+from ..ops.reference import as_2d
 
 
 def _narrow(t: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
@@ -34,6 +35,9 @@ def assemble(layout, reduce: bool = True, process_group=None, timeout: float | N
         out[name] = torch.full(shape, fill, dtype=dtype, device=layout.device)
     with torch.no_grad():
         for p in layout.pieces:
+            if layout.is_sharded(p):  # every rank writes its own rows (disjoint): the sum is exact
+                _write_shard(layout, p, out[p.name])
+                continue
             if not layout.owns(p) or (reduce and p.leader != rank):
                 continue
             local = layout.value_of(p.name)
@@ -49,6 +53,20 @@ def assemble(layout, reduce: bool = True, process_group=None, timeout: float | N
                                       operation="all_reduce (full state)")
         out = dict(zip(names, reduced))
     return out
+
+
+def _write_shard(layout, piece, full: torch.Tensor) -> None:
+    """Copy this rank's dim-0 shard of a sharded shared parameter into `full` (its place)."""
+    local, rect = layout.resolve_value(piece)
+    r0, r1, c0, c1 = layout.held_rectangle(piece)
+    as_2d(full)[r0:r1, c0:c1].copy_(as_2d(local)[rect[0]:rect[1], rect[2]:rect[3]])
+
+
+def _read_shard(layout, piece, full: torch.Tensor) -> None:
+    """Copy this rank's rows of `full` into its shard of a sharded shared parameter."""
+    local, rect = layout.resolve_value(piece)
+    r0, r1, c0, c1 = layout.held_rectangle(piece)
+    as_2d(local, view=True)[rect[0]:rect[1], rect[2]:rect[3]].copy_(as_2d(full.to(local.device))[r0:r1, c0:c1])
 
 
 def check_full_state_dict(plan, state_dict) -> None:
@@ -75,12 +93,16 @@ def load_pieces(layout, state_dict) -> None:
     local tensors of `layout` (a RankLayout). Not collective."""
     check_full_state_dict(layout.plan, state_dict)
     with torch.no_grad():
+        for p in layout.pieces:
+            if layout.is_sharded(p):
+                _read_shard(layout, p, state_dict[p.name])
         if not layout.compact:  # full tensors on every rank (backward regime)
             for name in layout.plan.tensor_shapes:
-                layout.value_of(name).copy_(state_dict[name])
+                if name not in layout.sharded:
+                    layout.value_of(name).copy_(state_dict[name])
             return
         for p in layout.pieces:
-            if layout.owns(p):
+            if layout.owns(p) and not layout.is_sharded(p):
                 src = state_dict[p.name].to(layout.device)
                 _narrow(layout.value_of(p.name), p.dim, layout.local_start[p], p.length).copy_(
                     _narrow(src, p.dim, p.start, p.length))

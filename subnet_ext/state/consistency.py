@@ -113,7 +113,7 @@ def verify_consistency(layout, process_group=None, timeout: float | None = None)
     """
     if layout.world_size == 1 or not dist.is_initialized():
         return
-    pieces = [p for p in layout.pieces if len(p.owners) > 1]
+    pieces = [p for p in layout.pieces if len(p.owners) > 1 and not layout.is_sharded(p)]  # FSDP shards: one holder
     local = _local_hashes(layout, pieces)
     table = collectives.all_gather(local, process_group, timeout)
     labels = [describe_piece(layout.plan, p) for p in pieces]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops import reference
-from ..planning.pieces import Piece, full_rectangle
+from ..planning.pieces import Piece
 
 Rect = tuple  # (row_begin, row_end, col_begin, col_end)
 
@@ -53,6 +53,18 @@ class HeldPiece:
         return as_2d(self.tensor)[r0:r1, c0:c1].detach().clone()
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a sharded shared parameter or its optimizer state),
+    or `t` itself: what slots read and write."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def writes(held_piece: "HeldPiece", layout) -> bool:
+    """True when this rank writes the held piece into a full-coordinate result: the piece's
+    leader, or every rank for its own shard of a sharded parameter."""
+    return held_piece.piece.leader == layout.rank or layout.is_sharded(held_piece.piece)
+
+
 def piece_key(piece: Piece) -> str:
     """A name for a piece that is unique within one plan: 'blocks.0.fc1.weight|0:32:16'."""
     return f"{piece.name}|{piece.dim}:{piece.start}:{piece.length}"
@@ -64,7 +76,7 @@ def held_values(layout) -> list[HeldPiece]:
     out = []
     for p in layout.local_start:
         t, local = layout.resolve_value(p)
-        out.append(HeldPiece(p, t, local, full_rectangle(layout.plan, p)))
+        out.append(HeldPiece(p, t, local, layout.held_rectangle(p)))
     return out
 
 
@@ -78,7 +90,7 @@ def held_optimizer_pieces(layout, optimizer) -> list[HeldPiece]:
             continue
         param, local = layout.optimizer_param(p)
         if id(param) in in_optimizer:
-            out.append(HeldPiece(p, param, local, full_rectangle(layout.plan, p), param))
+            out.append(HeldPiece(p, param, local, layout.held_rectangle(p), param))
     return out
 
 

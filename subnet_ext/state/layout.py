@@ -9,10 +9,12 @@ engine needs to know how the engine is built.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 
-from ..planning.pieces import Piece, global_pieces, local_starts, rectangle
+from ..planning.pieces import Piece, full_rectangle, global_pieces, local_starts, rectangle, shard_rows
 from ..planning.plan import SubnetPlan
 
 
@@ -44,6 +46,27 @@ class RankLayout:
         self.pieces = global_pieces(plan)
         self.local_start = local_starts(self.pieces, rank, compact=compact)
         self.integer_entries = self._integer_entries()
+        self.sharded: set = set()  # state-dict names held as DTensor shards (FSDP2, shard_shared)
+        self._reshard = None
+
+    def mark_sharded(self, names, reshard=None) -> None:
+        """Record that these shared parameters are now DTensors sharded along dim 0 (FSDP2).
+        `reshard()` puts the shards back in the module if a forward left them gathered."""
+        self.sharded, self._reshard = set(names), reshard
+
+    def is_sharded(self, piece: Piece) -> bool:
+        """True when `piece` is a shared parameter this rank holds only a dim-0 shard of."""
+        return piece.name in self.sharded
+
+    def held_rectangle(self, piece: Piece) -> tuple:
+        """The rectangle of the piece's full 2-D view this rank holds: the whole piece, or
+        for a sharded parameter the rows of its local shard (torch.chunk over dim 0)."""
+        if piece.name not in self.sharded:
+            return full_rectangle(self.plan, piece)
+        shape = self.plan.tensor_shapes[piece.name]
+        cols = math.prod(shape[1:]) if len(shape) > 1 else 1
+        begin, rows = shard_rows(shape[0], self.rank, self.world_size)
+        return (begin, begin + rows, 0, cols)
 
     def _integer_entries(self) -> dict:
         """Non-float entries (e.g. BatchNorm's num_batches_tracked) -> the rank that reports them:
@@ -60,6 +83,8 @@ class RankLayout:
     def value_of(self, name: str) -> torch.Tensor:
         """The local tensor holding state-dict entry `name` (compact in the forward regime).
         Raises AttributeError/KeyError when this rank does not hold it (a skipped block)."""
+        if name in self.sharded and self._reshard is not None:
+            self._reshard()  # a forward without backward leaves the gathered tensors registered
         if name in self.value_refs:
             module, attr = self.value_refs[name]
             return getattr(module, attr)
@@ -88,11 +113,16 @@ class RankLayout:
         if own is not None:
             return own, rectangle(own.shape, piece.dim, 0, piece.length)
         param = self.value_of(piece.name)
+        if piece.name in self.sharded:
+            return param, rectangle(param.to_local().shape, 0, 0, param.to_local().shape[0])
         return param, rectangle(param.shape, piece.dim, self.local_start[piece], piece.length)
 
     def resolve_value(self, piece: Piece) -> tuple[torch.Tensor, tuple]:
         """(local tensor holding the piece's value, rectangle of the piece in its 2-D view)."""
         t = self.value_of(piece.name)
+        if piece.name in self.sharded:
+            t = t.to_local()
+            return t, rectangle(t.shape, 0, 0, t.shape[0])
         return t, rectangle(t.shape, piece.dim, self.local_start[piece], piece.length)
 
     def resolve_grad(self, piece: Piece) -> tuple[torch.Tensor, tuple]:

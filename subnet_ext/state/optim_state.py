@@ -23,10 +23,12 @@ import torch
 import torch.distributed as dist
 
 from ..comm import collectives
-from ..planning.pieces import full_rectangle, global_pieces
-from .held_pieces import area, as_2d, copy_overlaps, held_optimizer_pieces, held_values, overlapping, piece_key
+from ..planning.pieces import full_rectangle, global_pieces, rectangle
+from .held_pieces import (area, as_2d, copy_overlaps, held_optimizer_pieces, held_values, local_tensor, overlapping,
+                          piece_key, writes)
 
 MODEL, OPTIM = "model/", "optim/"
+SHARED = "shared/"  # key of a sharded shared parameter (one DTensor, each rank its shard)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -144,11 +146,11 @@ def full_optimizer_state_dict(layout, optimizer, process_group=None, timeout: fl
                     continue
                 if entry_shape == "scalar":
                     scalars[(key, s.piece.name)] = max(scalars[(key, s.piece.name)], float(_scalar(state[key])))
-                elif s.piece.leader == layout.rank:
+                elif writes(s, layout):
                     r0, r1, c0, c1 = s.full
                     l0, _, m0, _ = s.local
                     as_2d(tensors[(key, s.piece.name)])[r0:r1, c0:c1].copy_(
-                        as_2d(state[key])[l0:l0 + r1 - r0, m0:m0 + c1 - c0])
+                        as_2d(local_tensor(state[key]))[l0:l0 + r1 - r0, m0:m0 + c1 - c0])
     if layout.world_size > 1 and dist.is_initialized():
         keys = list(tensors)
         tensors = dict(zip(keys, collectives.all_reduce_by_dtype([tensors[k] for k in keys], process_group,
@@ -197,7 +199,7 @@ def load_full_optimizer_state_dict(layout, optimizer, full: dict) -> None:
                                      f"the model {shape}")
                 src = as_2d(value.to(layout.device).contiguous())
                 whole = (0, src.shape[0], 0, src.shape[1])
-                copy_overlaps(optimizer.state[s.param][key], s.local, s.full, [(whole, src)])
+                copy_overlaps(local_tensor(optimizer.state[s.param][key]), s.local, s.full, [(whole, src)])
     load_hyperparameters(optimizer, full.get("param_groups"))
 
 
@@ -212,7 +214,9 @@ def sharded_state_dict(layout, optimizer=None, process_group=None) -> tuple[dict
     state keys are agreed on)."""
     out = {}
     for s in held_values(layout):
-        if s.piece.leader == layout.rank:
+        if layout.is_sharded(s.piece):
+            out[MODEL + SHARED + s.piece.name] = layout.value_of(s.piece.name).detach()
+        elif s.piece.leader == layout.rank:
             out[MODEL + piece_key(s.piece)] = s.read()
     for name, leader in layout.integer_entries.items():
         if leader == layout.rank:
@@ -222,6 +226,9 @@ def sharded_state_dict(layout, optimizer=None, process_group=None) -> tuple[dict
         held = held_optimizer_pieces(layout, optimizer)
         entry_shapes = _all_entry_shapes(optimizer, [s.param for s in held], process_group)
         for s in held:
+            if layout.is_sharded(s.piece):
+                out.update(_sharded_optimizer_entries(s, optimizer, entry_shapes, layout.rank))
+                continue
             if s.piece.leader != layout.rank:
                 continue
             state = optimizer.state.get(s.param, {})
@@ -235,7 +242,33 @@ def sharded_state_dict(layout, optimizer=None, process_group=None) -> tuple[dict
                 else:
                     out[name] = torch.zeros(s.full[1] - s.full[0], s.full[3] - s.full[2], dtype=s.param.dtype,
                                             device=s.param.device)
-    return out, {"optimizer_state": entry_shapes}
+    return out, {"optimizer_state": entry_shapes, "sharded": sorted(layout.sharded)}
+
+
+def _sharded_optimizer_entries(held_piece, optimizer, entry_shapes: dict, rank: int) -> dict:
+    """{"optim/<key>/shared/<name>": DTensor state (every rank its shard), or the 0-d
+    scalar (rank 0 only)} for one sharded shared parameter."""
+    state, out = optimizer.state.get(held_piece.param, {}), {}
+    for key, entry_shape in entry_shapes.items():
+        name = f"{OPTIM}{key}/{SHARED}{held_piece.piece.name}"
+        if entry_shape == "scalar":
+            if rank == 0:
+                out[name] = _scalar(state[key]) if key in state else torch.tensor(0.0)
+        else:
+            out[name] = state[key].detach() if key in state else torch.zeros_like(held_piece.param).detach()
+    return out
+
+
+def _saved_sources(saved_plan, info: dict) -> dict:
+    """{name: [(full rectangle, key suffix, is_param)]} of what a checkpoint of `saved_plan`
+    holds: its pieces, or one whole tensor under "shared/<name>" for a sharded parameter."""
+    sharded = set(info.get("sharded", ()))
+    saved = {n: [(rectangle(saved_plan.tensor_shapes[n], 0, 0, saved_plan.tensor_shapes[n][0]), SHARED + n, True)]
+             for n in sharded}
+    for p in global_pieces(saved_plan):
+        if p.name not in sharded:
+            saved.setdefault(p.name, []).append((full_rectangle(saved_plan, p), piece_key(p), p.is_param))
+    return saved
 
 
 def load_sharded_state_dict(layout, optimizer, saved_plan, info: dict, available: dict, read) -> None:
@@ -255,9 +288,7 @@ def load_sharded_state_dict(layout, optimizer, saved_plan, info: dict, available
     if saved_plan.fingerprint != layout.plan.fingerprint or saved_plan.tensor_shapes != layout.plan.tensor_shapes:
         raise ValueError(f"the checkpoint was saved for another model (structure fingerprint "
                          f"{saved_plan.fingerprint}, this model {layout.plan.fingerprint})")
-    saved = {}
-    for p in global_pieces(saved_plan):
-        saved.setdefault(p.name, []).append((full_rectangle(saved_plan, p), piece_key(p), p.is_param))
+    saved = _saved_sources(saved_plan, info)
     request = {}
 
     def want(key):
@@ -299,7 +330,7 @@ def load_sharded_state_dict(layout, optimizer, saved_plan, info: dict, available
                     state[k].fill_(max(float(request[f"{OPTIM}{k}/{key}"]) for _, key, _ in parts))
                     continue
                 sources = [(rect, as_2d(request[f"{OPTIM}{k}/{key}"]).to(s.param.device)) for rect, key, _ in parts]
-                _check_covered(s, copy_overlaps(state[k], s.local, s.full, sources))
+                _check_covered(s, copy_overlaps(local_tensor(state[k]), s.local, s.full, sources))
 
 
 def _check_covered(held_piece, written: int) -> None:

@@ -1,0 +1,76 @@
+"""Shard the plan's shared parameters with torch's FSDP2 (`shard_shared=True`).
+
+After SDP's surgery, `fully_shard` is applied to the root module with every unit
+parameter in `ignored_params`, so FSDP2 manages exactly the shared parameters: they are
+DTensors sharded along dim 0 over the engine's group between uses, all-gathered before
+the forward and kept full-size until the end of the backward (FSDP2's default for a root
+module, planning/sharding.RESHARD_AFTER_FORWARD; then resharded: full-size only
+transiently), and their gradients are reduce-scattered as the mean over
+the world (SDP's rule for shared parameters, c = K). The optimizer sees the DTensor
+shards, so their state is sharded too. SDP's buckets leave these parameters out
+(planning/sharding.py); units keep their owner averaging.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..planning.sharding import RESHARD_AFTER_FORWARD, sharded_names
+
+
+def check_shard_shared(simulated: bool, sync_every: int) -> None:
+    """ValueError for the combinations shard_shared does not support."""
+    if simulated:
+        raise ValueError("shard_shared=True shards the shared parameters over the real ranks with FSDP2; it cannot "
+                         "be combined with simulate_rank (one rank alone). Drop one of the two.")
+    if sync_every != 1:
+        raise ValueError(f"shard_shared=True averages the shared parameters' gradients every step (FSDP2's "
+                         f"reduce-scatter), so it needs sync_every=1, got sync_every={sync_every}; use "
+                         "shard_shared=False for local SGD")
+    if not dist.is_initialized():
+        raise ValueError("shard_shared=True needs torch.distributed initialised (FSDP2 shards over a process group)")
+
+
+class SharedShards:
+    """FSDP2 over the shared parameters of `model` (already through SDP's surgery).
+
+    Args:
+        model: the wrapped model; `fully_shard` changes its class in place.
+        layout: the engine's RankLayout (value_of finds each shared parameter; it is told
+            which names are now sharded).
+        process_group: the engine's group (None: the world).
+        device: where the model lives (the mesh's device type).
+    """
+
+    def __init__(self, model: nn.Module, layout, process_group, device):
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        self.names = sharded_names(layout.plan)
+        shared_ids = {id(layout.value_of(n)) for n in self.names}
+        ignored = {p for p in model.parameters() if id(p) not in shared_ids}
+        group = process_group if process_group is not None else dist.group.WORLD
+        self.mesh = DeviceMesh.from_group(group, device.type)
+        self.module = fully_shard(model, mesh=self.mesh, reshard_after_forward=RESHARD_AFTER_FORWARD,
+                                  ignored_params=ignored)
+        layout.mark_sharded(self.names, self.module.reshard)
+        self.layout = layout
+
+    def parameters(self) -> list:
+        """The sharded Parameters (DTensors), in plan order."""
+        return [self.layout.value_of(n) for n in self.names]
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradients accumulate unsharded; the next synchronised backward reduce-scatters the sum."""
+        self.module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
+
+    def local_bytes(self) -> int:
+        """Bytes of this rank's shards of the shared parameters."""
+        return sum(p.to_local().numel() * p.to_local().element_size() for p in self.parameters())

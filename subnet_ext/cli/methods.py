@@ -217,15 +217,11 @@ class FSDPMethod(Method):
         fully_shard(model)
         self.steps = 0
 
-    @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients without reduce-scattering them (FSDP2's gradient-sync switch)."""
-        # FSDP2's equivalent of no_sync: gradients stay unsharded and unreduced until re-enabled.
-        self.module.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            self.module.set_requires_gradient_sync(True)
+        from ..engine.sharding import fsdp_no_sync
+
+        return fsdp_no_sync(self.module)
 
     def after_step(self):
         """Count one optimizer step (the denominator of the per-step comm averages)."""

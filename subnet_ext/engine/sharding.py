@@ -62,15 +62,21 @@ class SharedShards:
         """The sharded Parameters (DTensors), in plan order."""
         return [self.layout.value_of(n) for n in self.names]
 
-    @contextlib.contextmanager
     def no_sync(self):
         """Gradients accumulate unsharded; the next synchronised backward reduce-scatters the sum."""
-        self.module.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            self.module.set_requires_gradient_sync(True)
+        return fsdp_no_sync(self.module)
 
     def local_bytes(self) -> int:
         """Bytes of this rank's shards of the shared parameters."""
         return sum(p.to_local().numel() * p.to_local().element_size() for p in self.parameters())
+
+
+@contextlib.contextmanager
+def fsdp_no_sync(module):
+    """FSDP2's equivalent of DDP's no_sync() on a `fully_shard`ed module: gradients stay
+    unsharded and unreduced inside, and the next synchronised backward reduce-scatters the sum."""
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)

@@ -155,6 +155,15 @@ def test_forward_step_equals_reference(name, level, skips):
         assert max_diff(r["theta1"], expected) < 1e-5
 
 
+def test_pre_activation_block_at_neuron_level_is_refused():
+    """A pre-activation block's first norm normalises the block's input: slicing it with the
+    inner channels would be silently wrong, so the neuron-level planner refuses it (post-
+    activation blocks of the same shapes are still planned)."""
+    with pytest.raises(ValueError, match="pre-activation residual block"):
+        sx.plan_subnetworks(build("preact"), 2, 0.5, "neuron")
+    assert {g.kind for g in sx.plan_subnetworks(build("cifar"), 2, 0.5, "neuron").groups} == {"channel"}
+
+
 def test_layernorm_in_masked_plain_stack_is_refused():
     model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8, elementwise_affine=False), nn.Linear(8, 3))
     with pytest.raises(ValueError, match="LayerNorm"):

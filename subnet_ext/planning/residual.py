@@ -121,3 +121,17 @@ def _by_name(block: nn.Module) -> SkipPath:
 def skip_path(block: nn.Module) -> SkipPath:
     """The block's skip path: traced when torch.fx can, else by the shortcut's name."""
     return _traced(block) or _by_name(block)
+
+
+def is_pre_activation(block: nn.Module) -> bool:
+    """True when tracing shows no ReLU after the residual sum (bn-relu-conv order): the
+    block's first norm then normalises its input, not the inner channels."""
+    path = _traced(block)
+    return path is not None and not path.relu
+
+
+def pre_activation_error(path: str) -> ValueError:
+    """The neuron-level refusal of a pre-activation block (see is_pre_activation)."""
+    return ValueError(f"{path!r} is a pre-activation residual block (no ReLU after the sum): a channel group would "
+                      "slice the norm that normalises the block's input, not its inner channels. Plan it at "
+                      "level='block', or declare its units with neuron_groups=[(producer, consumer, norms)].")

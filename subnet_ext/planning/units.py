@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn as nn
 
-from .residual import _traced, skip_path
+from .residual import _traced, is_pre_activation, pre_activation_error, skip_path
 
 _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
@@ -355,6 +355,8 @@ def find_neuron_groups(model: nn.Module, neuron_groups=None) -> list[UnitGroup]:
             groups.append(_pair_group(model, "neuron", path, [_join(path, "fc1")], [_join(path, "fc2")]))
         elif isinstance(m, nn.TransformerEncoderLayer):
             groups.append(_pair_group(model, "neuron", path, [_join(path, "linear1")], [_join(path, "linear2")]))
+        elif (_is_bottleneck(m) or _is_basic_block(m)) and is_pre_activation(m):
+            raise pre_activation_error(path)
         elif _is_bottleneck(m):
             groups.append(_pair_group(model, "channel", path, [_join(path, "conv2")], [_join(path, "conv3")],
                                       [_join(path, "bn2")]))

@@ -5,6 +5,8 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 # transformers + safetensors: the optional [hf] extra (--model hf:DIR), installed so CI tests it.
 DEPS := torch numpy ninja pybind11 setuptools wheel pytest hypothesis tqdm matplotlib scikit-learn transformers safetensors
+# Real-architecture tests (tests/test_real_models.py): CPU wheels; torchvision 0.29 is the build for torch 2.14.
+TEST_DEPS := torchvision timm
 export MAX_JOBS ?= 2
 
 .PHONY: venv build test demo bench bench-e2e fuzz clean
@@ -13,6 +15,7 @@ $(VENV)/.deps: Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(DEPS)
+	$(PIP) install -q $(TEST_DEPS)
 	touch $@
 
 venv: $(VENV)/.deps

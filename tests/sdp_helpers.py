@@ -1,5 +1,7 @@
 """A small model, per-rank batches and a training loop shared by the engine's
 multi-process tests (importable in the spawned workers: they inherit sys.path)."""
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -27,3 +29,22 @@ def train(sdp, opt, rank, steps, start=0):
         F.cross_entropy(sdp(x), y).backward()
         opt.step()
         opt.zero_grad()
+
+
+@contextlib.contextmanager
+def counting_direct_writes():
+    """Counts DirectGradient.write calls (the backward regime's masked-kernel writes into a
+    bucket) inside the block; yields a one-element list holding the count."""
+    from subnet_ext.engine import surgery
+
+    count, original = [0], surgery.DirectGradient.write
+
+    def counting_write(self, *args):
+        count[0] += 1
+        return original(self, *args)
+
+    surgery.DirectGradient.write = counting_write
+    try:
+        yield count
+    finally:
+        surgery.DirectGradient.write = original

@@ -8,8 +8,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import subnet_ext as sx
-from sdp_helpers import batch, make_model
-from subnet_ext.engine import surgery
+from sdp_helpers import batch, counting_direct_writes, make_model
 from subnet_ext.models.residual_mlp import ResidualMLPBlock
 from subnet_ext.testing import run_distributed
 
@@ -43,23 +42,13 @@ def _run(rank, world, make, regime, level, coverage):
     sdp = sx.SubnetDataParallel(model, sx.plan_subnetworks(model, world, coverage, level), regime=regime)
     opt = torch.optim.SGD(sdp.parameters(), lr=0.1)
     grads = []
-    calls = [0]
-    original = surgery.DirectGradient.write
-
-    def counting_write(self, *args):
-        calls[0] += 1
-        return original(self, *args)
-
-    surgery.DirectGradient.write = counting_write
-    try:
+    with counting_direct_writes() as calls:
         for s in range(2):
             x, y = batch(rank, s)
             F.cross_entropy(sdp(x), y).backward()
             grads.append({n: p.grad.clone() for n, p in sdp.module.named_parameters() if p.grad is not None})
             opt.step()
             opt.zero_grad()
-    finally:
-        surgery.DirectGradient.write = original
     return grads, calls[0], sdp.direct_gradient_runs
 
 

@@ -15,8 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import subnet_ext as sx
-from sdp_helpers import batch, make_model
-from subnet_ext.engine import surgery
+from sdp_helpers import batch, counting_direct_writes, make_model
 
 BACKEND = "aot_eager"
 
@@ -32,15 +31,8 @@ def _trajectory(regime, level, coverage, compile_kwargs=None):
     sdp = sx.SubnetDataParallel(model, plan, regime=regime, simulate_rank=0)
     run = sdp if compile_kwargs is None else torch.compile(sdp, backend=BACKEND, **compile_kwargs)
     opt = torch.optim.SGD(sdp.parameters(), lr=0.5)
-    losses, writes = [], [0]
-    original = surgery.DirectGradient.write
-
-    def counting_write(self, *args):
-        writes[0] += 1
-        return original(self, *args)
-
-    surgery.DirectGradient.write = counting_write
-    try:
+    losses = []
+    with counting_direct_writes() as writes:
         for s in range(3):
             x, y = batch(0, s)
             loss = F.cross_entropy(run(x), y)
@@ -48,8 +40,6 @@ def _trajectory(regime, level, coverage, compile_kwargs=None):
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
-    finally:
-        surgery.DirectGradient.write = original
     assert sdp.optimizer_steps == 3
     return losses, writes[0], sdp.counter.collectives, sum(counters["graph_break"].values())
 

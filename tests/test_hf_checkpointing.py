@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import subnet_ext as sx
-from subnet_ext.engine import surgery
+from sdp_helpers import counting_direct_writes
 
 transformers = pytest.importorskip("transformers")
 
@@ -29,18 +29,8 @@ def _grads(regime, level, coverage, checkpointing):
     sdp = sx.SubnetDataParallel(model, sx.plan_subnetworks(model, 2, coverage, level), regime=regime,
                                 simulate_rank=0)
     ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
-    writes = [0]
-    original = surgery.DirectGradient.write
-
-    def counting_write(self, *args):
-        writes[0] += 1
-        return original(self, *args)
-
-    surgery.DirectGradient.write = counting_write
-    try:
+    with counting_direct_writes() as writes:
         sdp(input_ids=ids, labels=ids).loss.backward()
-    finally:
-        surgery.DirectGradient.write = original
     return {n: p.grad.clone() for n, p in sdp.module.named_parameters() if p.grad is not None}, writes[0]
 
 

@@ -33,7 +33,8 @@ class PreparedTables:
 
     def get(self, key, tensors: Sequence[torch.Tensor], segments: torch.Tensor, buffer: torch.Tensor,
             scales=None) -> "ops.PreparedSegments":
-        """The prepared table for `key`, prepared again if the tensors or buffer moved.
+        """The prepared table for `key`, prepared again if the tensors or buffer moved or
+        `segments` is another table than the one prepared.
 
         Args:
             key: any hashable naming the use (e.g. (bucket index, "pack", "gradients")).
@@ -42,7 +43,8 @@ class PreparedTables:
         """
         where = _addresses(tensors, buffer)
         hit = self._cache.get(key)
-        if hit is None or hit[0] != where:
+        # Another table object for the same key (a layout rebuilt its table) is prepared anew too.
+        if hit is None or hit[0] != where or hit[1].segments is not segments:
             hit = (where, ops.PreparedSegments(tensors, segments, buffer, scales))
             self._cache[key] = hit
             self.preparations += 1

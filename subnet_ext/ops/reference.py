@@ -63,6 +63,16 @@ def masked_linear_forward(x, weight, bias=None, out_idx=None, in_idx=None, *, co
     return y, x_kept, block
 
 
+def _backward_operands(grad_out, x, out_idx, in_idx, grad_out_full):
+    """(accumulation dtype, g [N, W], x2 [N, I_x], g_R [N, |R|], x_S [N, |S|]) in that dtype."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    g = _rows(grad_out).to(acc)
+    x2 = _rows(x).to(acc)
+    g_kept = g[:, out_idx] if (grad_out_full and out_idx is not None) else g
+    xs = x2 if in_idx is None else x2[:, in_idx]
+    return acc, g, x2, g_kept, xs
+
+
 def masked_linear_backward(
     grad_out: torch.Tensor,
     x: torch.Tensor,
@@ -76,11 +86,7 @@ def masked_linear_backward(
     output_mask: Sequence[bool] = (True, True, True),
 ):
     """Reference of `ops.masked_linear_backward`: (grad_x, compact grad_weight, grad_bias)."""
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    g = _rows(grad_out).to(acc)
-    x2 = _rows(x).to(acc)
-    g_kept = g[:, out_idx] if (grad_out_full and out_idx is not None) else g
-    xs = x2 if in_idx is None else x2[:, in_idx]
+    acc, g, x2, g_kept, xs = _backward_operands(grad_out, x, out_idx, in_idx, grad_out_full)
     w = _block(weight, out_idx, in_idx, compact_weight).to(acc)
     gx = gw = gb = None
     if output_mask[0]:
@@ -99,11 +105,7 @@ def masked_linear_backward(
 
 def masked_linear_grad_weight_(out, grad_out, x, out_idx=None, in_idx=None, *, grad_out_full=False, accumulate=False):
     """Reference of `ops.masked_linear_grad_weight_` (in place on out)."""
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    g = _rows(grad_out).to(acc)
-    x2 = _rows(x).to(acc)
-    g_kept = g[:, out_idx] if (grad_out_full and out_idx is not None) else g
-    xs = x2 if in_idx is None else x2[:, in_idx]
+    acc, _, _, g_kept, xs = _backward_operands(grad_out, x, out_idx, in_idx, grad_out_full)
     block = g_kept.t() @ xs
     if accumulate:
         block = block + out.to(acc)

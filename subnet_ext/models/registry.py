@@ -1,19 +1,24 @@
 """build_model(name, preset=None, **kw): the models the CLI and benchmarks know by name."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch.nn as nn
 
+from .gpt import GPT, GPT_PRESETS
 from .llama import LLAMA_PRESETS, LlamaForCausalLM
 from .residual_mlp import ResidualMLP, plain_mlp
 from .resnet import resnet18
 
-MODEL_NAMES = ("mlp", "plain_mlp", "resnet", "llama")
+MODEL_NAMES = ("mlp", "plain_mlp", "resnet", "llama", "gpt")
 
 
 def build_model(name: str, preset: str | None = None, **kw) -> nn.Module:
     """mlp: ResidualMLP(in_features, num_classes, width=128); plain_mlp(in_features, num_classes);
     resnet: resnet18(num_classes, in_channels, width=16 for 1 channel else 64);
-    llama: LlamaForCausalLM(LLAMA_PRESETS[preset or "tiny"]).
+    llama: LlamaForCausalLM(LLAMA_PRESETS[preset or "tiny"]);
+    gpt: GPT(GPT_PRESETS[preset or "tiny"]), with vocab_size / block_size / parallel_residual
+    overridden when given.
 
     Raises:
         ValueError: unknown name or preset, or an option the model does not take.
@@ -27,8 +32,18 @@ def build_model(name: str, preset: str | None = None, **kw) -> nn.Module:
         if width is not None:
             raise ValueError("--width does not apply to llama; pick a --preset instead")
         return LlamaForCausalLM(LLAMA_PRESETS[preset or "tiny"])
+    if name == "gpt":
+        if preset not in (None, *GPT_PRESETS):
+            raise ValueError(f"unknown gpt preset {preset!r}; choose one of {', '.join(GPT_PRESETS)}")
+        if width is not None:
+            raise ValueError("--width does not apply to gpt; pick a --preset instead")
+        allowed = {"vocab_size", "block_size", "parallel_residual", "dropout"}
+        extra = sorted(set(kw) - allowed)
+        if extra:
+            raise ValueError(f"gpt takes only {sorted(allowed)} as overrides, got {extra}")
+        return GPT(dataclasses.replace(GPT_PRESETS[preset or "tiny"], **kw))
     if preset is not None:
-        raise ValueError(f"--preset applies to llama only, got --preset {preset} for {name}")
+        raise ValueError(f"--preset applies to llama and gpt only, got --preset {preset} for {name}")
     if name == "mlp":
         return ResidualMLP(kw["in_features"], kw["num_classes"], width=width or 128)
     if name == "plain_mlp":

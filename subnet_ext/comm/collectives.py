@@ -41,6 +41,31 @@ class CollectiveError(RuntimeError):
             "is gone, stuck or issuing different collectives. Check the other ranks' logs; the process group cannot "
             "be used any more, so restart the job from its last checkpoint (torchrun --max-restarts with "
             "--resume auto does this), or raise the timeout if steps are legitimately this slow.")
+        notes = _failure_notes_for(self)
+        if notes:
+            self.args = (f"{self.args[0]} {notes}",)
+
+
+_FAILURE_NOTES: list = []  # callables (CollectiveError) -> str | None, see add_failure_note
+
+
+def add_failure_note(note) -> None:
+    """Have note(error) -> str | None run whenever a CollectiveError is made, its text appended to
+    the error's message (call_check.py: what the other ranks were doing). Registered once."""
+    if note not in _FAILURE_NOTES:
+        _FAILURE_NOTES.append(note)
+
+
+def _failure_notes_for(error: "CollectiveError") -> str:
+    texts = []
+    for note in list(_FAILURE_NOTES):
+        try:
+            text = note(error)
+        except Exception as e:  # a note must never hide the failure it annotates
+            text = f"(could not tell what the other ranks were doing: {type(e).__name__}: {e})"
+        if text:
+            texts.append(text)
+    return " ".join(texts)
 
 
 def as_timedelta(timeout: float | None) -> datetime.timedelta | None:

@@ -24,19 +24,19 @@ the buckets then hold the units only. Not with simulate_rank, sync_every > 1 or 
 """
 from __future__ import annotations
 
-import contextlib
 import weakref
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ..comm.averaging import BucketedAverager
 from ..comm.refresh import CopyRefresher
 from ..planning.buckets import DEFAULT_BUCKET_CAP_MB, build_buckets
 from ..comm.communicator import CommCounter, Communicator, SimulatedCommunicator
 from ..comm import collectives
+from ..comm.call_check import CallLedger, collective_method
 from ..state import consistency
 from . import clipping, evaluation, guard, reports
 from ..state import optim_state
@@ -49,11 +49,14 @@ from ..state.aliases import with_aliases, without_aliases
 from ..state.assembly import assemble, load_pieces
 from ..state.layout import RankLayout
 from .restore import meta_skeleton, restore_structure
+from .ddp_interface import DDPInterface
+from .optimizer_guard import OptimizerGuard
+from .state_dict_guard import install_state_dict_guard
 from .setup import REGIMES, SCALES, check_arguments, weak_call, world_and_rank  # noqa: F401
 from .sharding import SharedShards
 from .surgery import attach_direct_gradients, materialise_forward, prepare_backward
 
-class SubnetDataParallel(nn.Module):
+class SubnetDataParallel(DDPInterface, nn.Module):
     """Wraps `model` (modified in place) so this rank trains its subnetwork of `plan`.
 
     Args:
@@ -105,6 +108,7 @@ class SubnetDataParallel(nn.Module):
         first = next(iter(model.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
         self._sync_initial_state(model)
+        self._optimizer_guard = OptimizerGuard(model)  # the Parameters an optimizer built before wrapping holds
         self.__dict__["_skeleton"] = meta_skeleton(model)  # not a submodule: no state of its own
 
         pieces = global_pieces(plan)
@@ -130,6 +134,12 @@ class SubnetDataParallel(nn.Module):
                 model, self.layout.piece_params, self._averager.direct_gradient_view,
                 weak_call(weakref.ref(self), lambda engine, piece: engine._averager.on_grad_ready((piece,))))
         self.optimizer_steps = 0
+        self._install_hooks(model, shard_shared)
+
+    def _install_hooks(self, model: nn.Module, shard_shared: bool) -> None:
+        """Gradient-ready and optimizer-step hooks, and what meets a DDP script's habits: an
+        optimizer built before wrapping is refused at its first step, the wrapped model's own
+        state_dict() does not pass for the model's, collective methods are called in one order."""
         for p in self._trainable:
             self._hooks.append(p.register_post_accumulate_grad_hook(
                 weak_call(weakref.ref(self), lambda engine, param: engine._averager.on_param_grad_ready(param))))
@@ -141,7 +151,13 @@ class SubnetDataParallel(nn.Module):
         step_hook = register_optimizer_step_post_hook(
             weak_call(weakref.ref(self), SubnetDataParallel._on_optimizer_step))
         weakref.finalize(self, step_hook.remove)
-        self._hooks.append(step_hook)
+        self._optimizer_guard.attach(self._trainable_ids, self.rank, model)
+        guard_hook = register_optimizer_step_pre_hook(self._optimizer_guard)  # holds no engine reference
+        weakref.finalize(self, guard_hook.remove)
+        self._hooks += [step_hook, guard_hook] + install_state_dict_guard(model, self.plan, self.rank, shard_shared)
+        # Every rank calls the collective methods in one order: checked on a gloo group of its own.
+        self.call_ledger = CallLedger(self.process_group, self.world_size, self.rank, self.timeout,
+                                      not self.simulated, weak_call(weakref.ref(self), SubnetDataParallel._progress))
 
     def _setup_communication(self, strategy, latency_bytes, bucket_cap_bytes, overlap, timeout) -> None:
         """Strategy (cost model), bucket layout, process groups (or their simulation), averager."""
@@ -187,6 +203,9 @@ class SubnetDataParallel(nn.Module):
             return
         self.after_step()
 
+    def _progress(self) -> str:
+        return f"after {self.optimizer_steps} optimizer steps"
+
     def after_step(self) -> None:
         """Called after each optimizer step (automatically for torch.optim optimizers)."""
         self._check_open("after_step")
@@ -212,30 +231,7 @@ class SubnetDataParallel(nn.Module):
             self.shared_shards.module.reshard()  # no backward will reshard the gathered shared parameters
         return out
 
-    def no_sync(self):
-        """Gradient accumulation without communication, as torch DDP's `no_sync()`.
-
-        Backward passes run inside the context only accumulate into `.grad`; the first
-        backward after it averages the accumulated sum among owners as usual:
-
-            with sdp.no_sync():
-                loss_fn(sdp(x0), y0).backward()
-            loss_fn(sdp(x1), y1).backward()   # averages grad(x0) + grad(x1)
-            optimizer.step()
-        """
-        self._check_open("no_sync")
-        if self.shared_shards is None:
-            return self._averager.no_sync()
-        stack = contextlib.ExitStack()
-        stack.enter_context(self._averager.no_sync())
-        stack.enter_context(self.shared_shards.no_sync())
-        return stack
-
-    def parameters(self, recurse: bool = True):
-        """What the optimizer must update: this rank's owned (and shared) parameters."""
-        self._check_open("parameters")
-        return iter(self._trainable)
-
+    @collective_method
     def full_state_dict(self) -> dict:
         """The whole model's state dict (original names and shapes), identical on every rank.
 
@@ -259,6 +255,7 @@ class SubnetDataParallel(nn.Module):
         self._check_open("load_full_state_dict")
         load_pieces(self.layout, without_aliases(self.plan, state_dict))
 
+    @collective_method
     def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         """The optimizer's state in the original names and shapes, identical on every rank:
         {"state": {name: {"exp_avg": tensor, ..., "step": 0-d}}, "param_groups": [...]}.
@@ -271,6 +268,7 @@ class SubnetDataParallel(nn.Module):
         self._check_open("load_full_optimizer_state_dict")
         optim_state.load_full_optimizer_state_dict(self.layout, optimizer, state)
 
+    @collective_method
     def verify_consistency(self) -> None:
         """Raise ConsistencyError naming the unit and the ranks unless the owners of every
         unit hold bit-identical values. Collective; call it at a synchronisation point."""
@@ -291,11 +289,13 @@ class SubnetDataParallel(nn.Module):
         gradients' norm (local SGD). See clipping.py."""
         return clipping.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite, foreach)
 
+    @collective_method
     def full_model(self) -> nn.Module:
         """A new, unmasked model holding the assembled full state, ties kept (collective)."""
         self._check_open("full_model")
         return evaluation.full_model(self._skeleton, self.plan, self.full_state_dict())
 
+    @collective_method
     @torch.no_grad()
     def evaluate(self, *inputs, modes=("full", "ensemble")) -> dict:
         """{"full": the union of subnetworks' output, "ensemble": mean of the ranks' subnetwork
@@ -351,6 +351,7 @@ class SubnetDataParallel(nn.Module):
                 f"coverage={self.plan.coverage}, sync_every={self.sync_every}, strategy={self.strategy!r}, "
                 f"shard_shared={self.shared_shards is not None}")
 
+    @collective_method
     def close(self) -> None:
         """Give the wrapped model back as it was before wrapping, holding the trained values.
 
@@ -367,6 +368,7 @@ class SubnetDataParallel(nn.Module):
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self.call_ledger.close()
         restore_structure(self.module, self._skeleton, self.device)
         self.module.load_state_dict(full)
         self._closed = True

@@ -227,3 +227,16 @@ def test_require_backward_grad_sync_communicates_like_no_sync():
             assert v["same_grads"], key
             assert v["flag_after"] == {"attribute": True, "no_sync": True, "plain": True}, (key, v["flag_after"])
         assert "DTensor" in r["shard_state_dict"] and "full_state_dict" in r["shard_state_dict"], r["shard_state_dict"]
+
+
+# --------------------------------------------------------------------------- the README's import spellings
+def test_checkpoint_module_imports_as_the_readme_writes_it():
+    import subprocess
+    import sys
+
+    code = ("import subnet_ext.checkpoint\n"
+            "from subnet_ext.checkpoint import save_subnet_checkpoint, load_subnet_checkpoint\n"
+            "import subnet_ext\n"
+            "assert subnet_ext.checkpoint.save_subnet_checkpoint is save_subnet_checkpoint\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)  # a fresh interpreter
+    assert done.returncode == 0, done.stderr

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-import contextlib
-
 import torch
 from torch.autograd import Variable
 
@@ -102,7 +100,7 @@ class BucketedAverager:
                  layout, overlap: bool = True, trainable_ids: set = frozenset(), average_gradients: bool = True):
         self.comm, self.device, self.overlap = communicator, device, overlap
         self.average_gradients = average_gradients
-        self.sync_enabled = True  # False inside no_sync()
+        self.sync_enabled = True  # False: backward passes only accumulate (the engine's no_sync())
         self._queued = False  # the end-of-backward callback is queued on the autograd engine
         self._pieces_of_param = layout.pieces_by_parameter(set(trainable_ids))
         self.resolvers = {"gradients": layout.resolve_grad, "parameters": layout.resolve_value}
@@ -148,16 +146,6 @@ class BucketedAverager:
     def direct_gradient_pieces(self) -> set:
         """The pieces whose gradient a kernel writes straight into a bucket buffer."""
         return {p for s in self.states for p in s.direct}
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Backward passes inside only accumulate into `.grad`; nothing is communicated."""
-        previous = self.sync_enabled
-        self.sync_enabled = False
-        try:
-            yield
-        finally:
-            self.sync_enabled = previous
 
     def on_param_grad_ready(self, param) -> None:
         """A post-accumulate-grad hook's report: `param`'s gradient is final for this backward."""

@@ -59,7 +59,7 @@ class DDPInterface:
         self._check_open("require_backward_grad_sync")
         self._averager.sync_enabled = bool(value)
         if self.shared_shards is not None:  # FSDP2's reduce-scatter of the shared parameters follows it
-            self.shared_shards.module.set_requires_gradient_sync(bool(value))
+            self.shared_shards.set_gradient_sync(bool(value))
 
 
 @contextlib.contextmanager

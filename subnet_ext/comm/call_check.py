@@ -150,13 +150,15 @@ class CallLedger:
         """Other ranks: rank 0's verdict, or, when rank 0 reports a failed collective of its own
         (it is training, not here) or never answers, a report of our own."""
         deadline = time.monotonic() + 2 * self.timeout + 5  # rank 0 waits `timeout`, then up to as long for notes
+        key = f"verdict/{self.seq}"
         while time.monotonic() < deadline:
-            verdict = self._get(f"verdict/{self.seq}")
-            if verdict is not None:
-                return verdict
-            if self._get("failure/0") is not None:
-                break
-            time.sleep(_POLL_SECONDS)
+            try:  # the store answers when the key is set: one request a second while rank 0 is away
+                self.store.wait([key], datetime.timedelta(seconds=1))
+                return self.store.get(key).decode(errors="replace")
+            except RuntimeError:
+                if self._get("failure/0") is not None:
+                    break
+                time.sleep(_POLL_SECONDS)  # a store that fails at once (its host is gone) is not asked in a loop
         return "timeout|" + "\n".join(self._report(name, grace=0.0))
 
     # ------------------------------------------------------------------ store helpers

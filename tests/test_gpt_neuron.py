@@ -111,9 +111,12 @@ def test_attention_that_cannot_run_compact_is_refused_at_wrap_time(attention, wh
     after = model.state_dict()
     assert list(after) == list(before) and all(torch.equal(after[n], before[n]) for n in before)
     assert model.transformer.h[0].attn.n_head == CFG.n_head
-    # the backward regime runs the full forward: the same module works there
+    # the remedies the error names work: level="block" (whole blocks skipped, the attention
+    # never sliced) and the backward regime (the full forward runs)
     idx = tokens(0)[:, :-1]
     want = model(idx)[0]
+    blocks = sx.SubnetDataParallel(copy.deepcopy(model), plan_quietly(model, 2, 0.5, "block"), simulate_rank=0)
+    assert blocks(idx)[0].shape == want.shape
     sdp = sx.SubnetDataParallel(model, plan, regime="backward", simulate_rank=0)
     torch.testing.assert_close(sdp(idx)[0], want)
 

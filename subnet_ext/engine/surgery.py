@@ -31,7 +31,8 @@ from .slicing import slice_group, split_name
 class SkippedBlock(nn.Module):
     """What a rank runs for a block it does not own: the block's skip path only.
 
-    skip="identity": returns its input (pre-norm transformer and MLP blocks).
+    skip="identity": returns its input (transformer blocks, pre-LN, post-LN or parallel;
+    residual MLP blocks; blocks with an identity shortcut and no ReLU after the sum).
     skip="shortcut" / "shortcut_relu": shortcut(x), or relu(shortcut(x)) for blocks that
     apply a ReLU after the residual sum; the shortcut is the skip path traced from the
     block (planning/residual.py), its modules kept (shared) under their own names, so a

@@ -82,8 +82,8 @@ class _ChildrenAsCalls(fx.Tracer):
 
 def _trace(block: nn.Module) -> fx.GraphModule:
     """The block's forward as a graph (children opaque; defaulted arguments fixed to their defaults)."""
-    try:
-        params = list(inspect.signature(block.forward).parameters.values())
+    try:  # the class's forward, as torch.fx traces it (an instance may wrap it, e.g. in a checkpoint)
+        params = list(inspect.signature(type(block).forward).parameters.values())[1:]  # without self
     except (TypeError, ValueError):
         params = []
     fixed = {p.name: p.default for p in params[1:]

@@ -27,10 +27,11 @@ def _held_warning(plan) -> list[str]:
     total = max(plan.total_params, 1)
     largest = sorted(plan.shared_params, key=lambda n: -plan.numel_of(n))[:3]
     names = ", ".join(f"{n} ({plan.numel_of(n):,})" for n in largest)
+    fix = "Make more of the model units (declare whole residual blocks, not their parts)" if plan.level == "block" \
+        else "Plan at level='block' (whole blocks carry their norms)"
     return [f"warning: rank(s) {over} hold up to {float(held[over].max()):.1%} of the model's parameters at "
             f"coverage {plan.coverage}: the shared parameters ({plan.shared_param_count / total:.1%} of the model; "
-            f"largest {names}) are held by every rank. Make more of the model units (declare whole residual "
-            "blocks, or plan at level='neuron'), or shard them (shard_shared=True)."]
+            f"largest {names}) are held by every rank. {fix}, or shard the shared parameters (shard_shared=True)."]
 
 
 def plan_summary(plan, owners_per_unit: int) -> str:

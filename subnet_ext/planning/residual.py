@@ -54,16 +54,12 @@ class SkipPath:
     relu: whether the block applies a ReLU after the residual sum.
     forward: function (block_like, x [B, C, ...]) -> skip output [B, C', ...], reading the
     skip modules as attributes of its first argument (so a stub holding them can run it).
-    traced: False when found by name (trace failed).
-    adds: the residual adds on the identity chain (0 when found by name).
-    chain_modules: top-level children on the chain itself (post-LN norms), in the unit."""
+    traced: False when found by name (trace failed)."""
 
     modules: tuple
     relu: bool
     forward: object
     traced: bool = True
-    adds: int = 0
-    chain_modules: tuple = ()
 
     @property
     def mode(self) -> str:
@@ -148,8 +144,7 @@ def _cost(nodes: set, gm: fx.GraphModule) -> int:
 @dataclass(frozen=True)
 class _Chain:
     base: fx.Node  # the input placeholder, or the shortcut projection's output
-    adds: int
-    on_chain: tuple  # norm/dropout nodes applied after an add
+    adds: int  # residual adds between base and the node
 
 
 def _chain(node: fx.Node, inp: fx.Node, gm: fx.GraphModule, memo: dict) -> _Chain | None:
@@ -159,7 +154,7 @@ def _chain(node: fx.Node, inp: fx.Node, gm: fx.GraphModule, memo: dict) -> _Chai
     memo[node] = None  # a graph is acyclic; this only guards against re-entry
     found = None
     if node is inp:
-        found = _Chain(inp, 0, ())
+        found = _Chain(inp, 0)
     elif _is_add(node):
         operands = list(node.args[:2])
         chains = {i: c for i, a in enumerate(operands) if (c := _chain(a, inp, gm, memo)) is not None}
@@ -170,14 +165,14 @@ def _chain(node: fx.Node, inp: fx.Node, gm: fx.GraphModule, memo: dict) -> _Chai
             chains = {cheaper: chains[cheaper]} if cheaper is not None else {}
         if len(chains) == 1:
             c = next(iter(chains.values()))
-            found = _Chain(c.base, c.adds + 1, c.on_chain)
+            found = _Chain(c.base, c.adds + 1)
         elif reached == 0 and cheaper is not None and inp in _ancestors(operands[cheaper]):
             # No operand is a chain: the one through fewer parameterised modules is the shortcut.
-            found = _Chain(operands[cheaper], 1, ())
+            found = _Chain(operands[cheaper], 1)
     elif _passes_through(node, gm):
         c = _chain(node.args[0], inp, gm, memo)
         if c is not None and c.adds > 0:
-            found = _Chain(c.base, c.adds, c.on_chain + (node,))
+            found = _Chain(c.base, c.adds)
     memo[node] = found
     return found
 
@@ -215,7 +210,7 @@ def trace_skip_path(block: nn.Module) -> SkipPath:
     graph.output(graph.call_function(torch.relu, (result,)) if relus else result)
     skip = fx.GraphModule(gm, graph)
     modules = _top_names(needed) if chain.base is not inputs[0] else ()
-    return SkipPath(modules, relus > 0, type(skip).forward, True, chain.adds, _top_names(chain.on_chain))
+    return SkipPath(modules, relus > 0, type(skip).forward)
 
 
 def _by_name(block: nn.Module) -> SkipPath:

@@ -49,16 +49,3 @@ def counting_direct_writes():
     finally:
         surgery.DirectGradient.write = original
 
-
-def gpt_plan(model, world_size, coverage, level, seed=0):
-    """plan_subnetworks for a models.gpt.GPT, its units declared: blocks `transformer.h.i`, or
-    each MLP's (c_fc, c_proj) neurons (the planner does not recognise this GPT by itself yet)."""
-    import subnet_ext as sx
-
-    n = len(model.transformer.h)
-    if level == "block":
-        return sx.plan_subnetworks(model, world_size, coverage, "block", seed=seed,
-                                   blocks=[f"transformer.h.{i}" for i in range(n)])
-    return sx.plan_subnetworks(model, world_size, coverage, "neuron", seed=seed,
-                               neuron_groups=[(f"transformer.h.{i}.mlp.c_fc", f"transformer.h.{i}.mlp.c_proj")
-                                              for i in range(n)])

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import subnet_ext as sx
-from sdp_helpers import batch, gpt_plan, make_model
+from sdp_helpers import batch, make_model
 from subnet_ext.cli.launch import free_port
 from subnet_ext.comm.call_check import CallOrderError
 from subnet_ext.testing import run_distributed
@@ -44,7 +44,7 @@ def master_only_script(call: str, caller: int) -> None:
     rank = dist.get_rank()
     torch.manual_seed(1337 + rank)  # nanoGPT seeds each rank differently; rank 0's values are broadcast
     model = GPT(GPTConfig(block_size=32, vocab_size=65, n_layer=2, n_head=2, n_embd=32, parallel_residual=True))
-    sdp = sx.SubnetDataParallel(model, gpt_plan(model, 2, 0.5, "block"), timeout=TIMEOUT_S)
+    sdp = sx.SubnetDataParallel(model, sx.plan_subnetworks(model, 2, 0.5, "block"), timeout=TIMEOUT_S)
     opt = torch.optim.AdamW(sdp.parameters(), lr=1e-3)
     started = None
     try:

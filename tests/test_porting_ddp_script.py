@@ -17,7 +17,7 @@ context 32) with pre-LN and parallel-residual blocks, on a Markov token source:
 - coverage 0.5 at block and neuron level, forward and backward: the training loss falls, the
   checkpoint loads strictly into a fresh GPT holding every value this rank trained, and in
   the backward regime (full forward, unbiased gradients) the full model's loss falls too.
-The units are declared (`gpt_plan`): the planner does not recognise this GPT by itself yet.
+The planner recognises the GPT's blocks, heads and MLP neurons by itself (nothing declared).
 """
 import math
 import os
@@ -28,7 +28,6 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import subnet_ext as sx
-from sdp_helpers import gpt_plan
 from subnet_ext.data.tokens import SyntheticTokens
 from subnet_ext.models.gpt import GPT, GPTConfig
 from subnet_ext.testing import run_distributed
@@ -121,7 +120,7 @@ def train_sdp(rank, world, parallel, coverage, level, regime, folder):
     """The port: wrap first, optimizer from sdp.named_parameters(), sdp.clip_grad_norm_,
     full_state_dict() on every rank. Also saves rank 0's checkpoint to `folder`."""
     model = build_gpt(rank, parallel)
-    plan = gpt_plan(model, world, coverage, level)
+    plan = sx.plan_subnetworks(model, world, coverage, level)
     model = sx.SubnetDataParallel(model, plan, regime=regime)
     raw_model = model.module
     optimizer = raw_model.configure_optimizers(WEIGHT_DECAY, LEARNING_RATE, BETAS, params=model.named_parameters())

@@ -9,6 +9,7 @@ no-decay param group), 2 gloo ranks, coverage 1.0 (where SDP is data parallelism
 - SDP's dict has torch's structure: the same names (the tied tensor once, under torch's
   name), the same param_groups (names, settings), also at coverage 0.5 where each rank
   holds half of the blocks;
+- ranks whose optimizers have different settings are refused when saving;
 - a wrong format (torch's index-keyed optimizer.state_dict(), DCP's flattened form, a
   sharded one, an older form without names, a missing entry, another model's state) is
   refused with an error naming what was expected and what was given.
@@ -176,6 +177,9 @@ def _worker(rank, world):
     out["states"]["sdp_half"] = half.full_optimizer_state_dict(half_opt)
     out["states"] = as_bytes(out["states"])  # tensors in the result queue would be shared memory of a dead worker
     out["wrong"] = _wrong_formats(world, ddp_state)
+    uneven = sdp_gpt(world)  # each rank a different lr: owners would diverge, so saving refuses
+    out["differing_settings"] = value_error(lambda: uneven.full_optimizer_state_dict(
+        adamw(uneven.module.named_parameters(), lr=LR * (1 + rank))))
     sdp, sharded = sdp_gpt(world), _sharded_fsdp_state(rank)
     out["wrong"]["sharded"] = value_error(lambda: sdp.load_full_optimizer_state_dict(
         adamw(sdp.module.named_parameters()), sharded))
@@ -226,3 +230,10 @@ def test_a_wrong_format_is_named(results, case, given):
         if case != "missing":
             assert "get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))" \
                 in message, message
+
+
+def test_ranks_with_different_settings_are_refused(results):
+    for res in results:
+        message = res["differing_settings"]
+        assert message is not None and "param group 0 has different settings" in message, message
+        assert f"lr: [{LR}, {2 * LR}]" in message, message

@@ -33,7 +33,7 @@ from ..comm.collectives import describe_group
 from .full_gather import FullEntry, check_options, sum_gather
 from .held_pieces import as_2d, copy_overlaps, held_optimizer_pieces, local_tensor, writes
 from .optim_format import canonical, check_format
-from .optim_state import ensure_state, scalar_value, state_entry_shapes
+from .optim_state import ensure_state, hyperparameters, scalar_value, state_entry_shapes
 
 
 def optimizer_param_names(layout, optimizer) -> dict:
@@ -54,12 +54,6 @@ def optimizer_param_names(layout, optimizer) -> dict:
                                  "is not one of this engine's parameters: build the optimizer after wrapping, over "
                                  "sdp.parameters()")
     return names
-
-
-def _group_settings(group: dict) -> dict:
-    """A param group's settings without its parameters, comparable across ranks."""
-    return {k: (v.item() if torch.is_tensor(v) else list(v) if isinstance(v, tuple) else v)
-            for k, v in group.items() if k != "params"}
 
 
 def _merged_groups(layout, optimizer, everyone: list) -> list[dict]:
@@ -97,7 +91,8 @@ def full_optimizer_state_dict(layout, optimizer, process_group=None, timeout: fl
     names = optimizer_param_names(layout, optimizer)
     held = held_optimizer_pieces(layout, optimizer)
     local = {"entries": state_entry_shapes(optimizer, [s.param for s in held]),
-             "groups": [([names[id(p)] for p in g["params"]], _group_settings(g)) for g in optimizer.param_groups]}
+             "groups": [([names[id(p)] for p in g["params"]], settings)  # settings comparable across ranks
+                        for g, settings in zip(optimizer.param_groups, hyperparameters(optimizer))]}
     communicate = layout.world_size > 1 and dist.is_initialized()
     everyone = [local]
     if communicate:

@@ -109,10 +109,19 @@ def wait(work, operation: str, group: str, timeout: float | None = None) -> None
 
 
 def all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM, timeout: float | None = None,
-               label: str | None = None) -> torch.Tensor:
-    """In-place all_reduce with a deadline; returns `tensor`."""
+               label: str | None = None, operation: str = "all_reduce") -> torch.Tensor:
+    """In-place all_reduce with a deadline; returns `tensor`. `operation` names it in errors."""
     work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
-    wait(work, "all_reduce", label or group_ranks(group), timeout)
+    wait(work, operation, label or group_ranks(group), timeout)
+    return tensor
+
+
+def reduce(tensor: torch.Tensor, dst: int, group=None, op=dist.ReduceOp.SUM, timeout: float | None = None,
+           label: str | None = None, operation: str = "reduce") -> torch.Tensor:
+    """In-place reduce onto global rank `dst` with a deadline; returns `tensor` (the result on
+    `dst` only: other ranks' tensors are left undefined, as torch's reduce leaves them)."""
+    work = dist.reduce(tensor, dst=dst, op=op, group=group, async_op=True)
+    wait(work, operation, label or group_ranks(group), timeout)
     return tensor
 
 

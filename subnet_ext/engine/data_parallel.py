@@ -39,7 +39,7 @@ from ..comm import collectives
 from ..comm.call_check import CallLedger, collective_method
 from ..state import consistency
 from . import clipping, evaluation, guard, reports
-from ..state import optim_state
+from ..state import full_optim_state
 from ..comm.collectives import as_timedelta
 from ..planning.costs import DEFAULT_LATENCY_BYTES, choose_strategy
 from ..planning.pieces import global_pieces
@@ -232,14 +232,14 @@ class SubnetDataParallel(DDPInterface, nn.Module):
         return out
 
     @collective_method
-    def full_state_dict(self) -> dict:
-        """The whole model's state dict (original names and shapes), identical on every rank.
-
-        Collective: every rank must call it."""
+    def full_state_dict(self, rank0_only: bool = False, cpu_offload: bool = False) -> dict:
+        """The whole model's state dict (original names and shapes), identical on every rank, or with
+        FSDP's `rank0_only` on rank 0 alone ({} elsewhere, which hold one bounded chunk at a time), on
+        the CPU with `cpu_offload`. Collective: every rank must call it. See state/full_gather.py."""
         self._check_open("full_state_dict")
         self._refuse_if_simulated("full_state_dict")
         return with_aliases(self.plan, assemble(self.layout, reduce=True, process_group=self.process_group,
-                                                timeout=self.timeout))
+                                                timeout=self.timeout, rank0_only=rank0_only, cpu_offload=cpu_offload))
 
     def local_full_state_dict(self) -> dict:
         """This rank's values in the original names and shapes, NaN where it holds nothing."""
@@ -256,17 +256,21 @@ class SubnetDataParallel(DDPInterface, nn.Module):
         load_pieces(self.layout, without_aliases(self.plan, state_dict))
 
     @collective_method
-    def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
-        """The optimizer's state in the original names and shapes, identical on every rank:
-        {"state": {name: {"exp_avg": tensor, ..., "step": 0-d}}, "param_groups": [...]}.
-        Loads on any plan of the same model. Collective. See optim_state.py."""
+    def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, rank0_only: bool = False,
+                                  cpu_offload: bool = False) -> dict:
+        """The optimizer state in torch's full format (get_optimizer_state_dict(..., full_state_dict=True)
+        of DDP/FSDP2): {"state": {name: {"exp_avg": [param shape], ..., "step": 0-d}}, "param_groups":
+        [{..., "params": [name, ...]}]}; options as full_state_dict's. Collective. See state/full_optim_state.py."""
         self._check_open("full_optimizer_state_dict")
-        return optim_state.full_optimizer_state_dict(self.layout, optimizer, self.process_group, self.timeout)
+        return full_optim_state.full_optimizer_state_dict(self.layout, optimizer, self.process_group, self.timeout,
+                                                          rank0_only, cpu_offload)
 
-    def load_full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        """Give `optimizer` (over this engine's parameters) its share of a full optimizer state."""
+    def load_full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict,
+                                       strict: bool = True) -> None:
+        """Give `optimizer` (over this engine's parameters) its share of a full optimizer state
+        (SDP's, or torch's full one from DDP/FSDP2); `strict=False` as torch's option."""
         self._check_open("load_full_optimizer_state_dict")
-        optim_state.load_full_optimizer_state_dict(self.layout, optimizer, state)
+        full_optim_state.load_full_optimizer_state_dict(self.layout, optimizer, state, strict)
 
     @collective_method
     def verify_consistency(self) -> None:
@@ -297,19 +301,21 @@ class SubnetDataParallel(DDPInterface, nn.Module):
 
     @collective_method
     @torch.no_grad()
-    def evaluate(self, *inputs, modes=("full", "ensemble")) -> dict:
-        """{"full": the union of subnetworks' output, "ensemble": mean of the ranks' subnetwork
-        outputs (one all-reduce)}, each float32 [*, out]. Collective; runs in eval mode and
-        restores the mode."""
+    def evaluate(self, *inputs, modes=("full", "ensemble"), loss_fn=None, targets=()) -> dict:
+        """{mode: output}, each the model's output structure (tensors in tuples, lists, dicts,
+        dataclasses, ModelOutputs), floating tensors as float32 (e.g. logits [B, C]):
+        "full": the union of subnetworks; "ensemble": the ranks' subnetwork outputs averaged
+        (one all-reduce); "subnetwork": this rank's own. With loss_fn(output, *targets) ->
+        scalar also "loss": {"full": 0-d, "ensemble": 0-d (of the averaged output),
+        "subnetworks": [K], rank r's own at r (NaN for ranks a simulated engine lacks)}.
+        Collective; eval mode, restored. See evaluation.py."""
         self._check_open("evaluate")
-        bad = [m for m in modes if m not in ("full", "ensemble")]
-        if bad:
-            raise ValueError(f"evaluate modes must be 'full' and/or 'ensemble', got {bad}")
-        if "full" in modes:
+        if "full" in evaluation.check_request(modes, loss_fn, targets)[0]:
             self._refuse_if_simulated("evaluate(modes=('full', ...))")
         communicate = self.world_size > 1 and not self.simulated  # simulated: its own subnetwork alone
         out = evaluation.evaluate(self.module, self._skeleton, self.plan, inputs, modes, self.full_state_dict,
-                                  mean_over=(communicate, self.process_group, self.world_size, self.timeout))
+                                  (communicate, self.process_group, self.world_size, self.rank, self.timeout),
+                                  loss_fn, targets)
         if self.shared_shards is not None:
             self.shared_shards.module.reshard()  # the no-grad forward left them gathered
         return out

@@ -9,8 +9,8 @@ doesn't match expected size"). Here:
   where one rank alone calls full_state_dict() or evaluate() while the other trains: both
   processes exit with Python's error status (not SIGABRT), within 60 s, each message naming
   both ranks' calls;
-- two ranks calling different collective methods (or a checkpoint save): both raise at
-  once, naming both calls, and the engine stays usable;
+- two ranks calling different collective methods (or a checkpoint save, or the same method
+  with different rank0_only options): both raise at once, naming both calls, and the engine stays usable;
 - the check adds nothing to a training step: no store request, the same collectives.
 """
 import os
@@ -105,11 +105,14 @@ def _different_calls(rank, world, folder):
     F.cross_entropy(sdp(x), y).backward()
     opt.step()
     for label, mine in (("methods", "full_state_dict" if rank == 0 else "verify_consistency"),
-                        ("checkpoint", "save" if rank == 0 else "full_state_dict")):
+                        ("checkpoint", "save" if rank == 0 else "full_state_dict"),
+                        ("options", "rank0_only" if rank == 0 else "full_state_dict")):
         started = time.monotonic()
         try:
             if mine == "save":
                 sx.checkpoint.save_subnet_checkpoint(folder, 1, sdp, opt)
+            elif mine == "rank0_only":  # the same method, but a reduce here and an all-reduce there
+                sdp.full_state_dict(rank0_only=True)
             else:
                 getattr(sdp, mine)()
             out[label] = None
@@ -129,6 +132,10 @@ def test_different_collective_methods_fail_at_once_and_the_engine_stays_usable(t
         message, _ = r["checkpoint"]
         assert "rank 0 called save_subnet_checkpoint (#2)" in message, message
         assert "rank 1 called full_state_dict (#2)" in message, message
+        message, seconds = r["options"]
+        assert "rank 0 called full_state_dict(rank0_only=True) (#3)" in message, message
+        assert "rank 1 called full_state_dict (#3)" in message, message
+        assert seconds < 30
     assert results[0]["after"] == results[1]["after"]
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import inspect
 import time
 import weakref
 
@@ -235,14 +236,26 @@ def describe_failure(error: collectives.CollectiveError) -> str | None:
 collectives.add_failure_note(describe_failure)
 
 
-def collective_method(method):
+def collective_method(method=None, *, agree: tuple = ()):
     """Decorator for a method of an object with a `call_ledger` (CallLedger): the method is a
-    collective, checked on entry (see CallLedger.collective). Named by its own name."""
+    collective, checked on entry (see CallLedger.collective). Named by its own name and, for
+    the arguments listed in `agree` that differ from their defaults, their values (e.g.
+    `full_state_dict(rank0_only=True)`): ranks that pass different values would issue
+    different collectives, so they must agree."""
+    if method is None:
+        return functools.partial(collective_method, agree=agree)
     name = method.__name__
+    signature = inspect.signature(method) if agree else None
 
     @functools.wraps(method)
     def checked(self, *args, **kwargs):
-        with self.call_ledger.collective(name):
+        call = name
+        if signature is not None:
+            given = signature.bind(self, *args, **kwargs).arguments
+            options = [f"{k}={given[k]!r}" for k in agree
+                       if k in given and given[k] != signature.parameters[k].default]
+            call += f"({', '.join(options)})" if options else ""
+        with self.call_ledger.collective(call):
             return method(self, *args, **kwargs)
 
     return checked

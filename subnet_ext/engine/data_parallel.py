@@ -231,7 +231,7 @@ class SubnetDataParallel(DDPInterface, nn.Module):
             self.shared_shards.module.reshard()  # no backward will reshard the gathered shared parameters
         return out
 
-    @collective_method
+    @collective_method(agree=("rank0_only",))
     def full_state_dict(self, rank0_only: bool = False, cpu_offload: bool = False) -> dict:
         """The whole model's state dict (original names and shapes), identical on every rank, or with
         FSDP's `rank0_only` on rank 0 alone ({} elsewhere, which hold one bounded chunk at a time), on
@@ -255,7 +255,7 @@ class SubnetDataParallel(DDPInterface, nn.Module):
         self._check_open("load_full_state_dict")
         load_pieces(self.layout, without_aliases(self.plan, state_dict))
 
-    @collective_method
+    @collective_method(agree=("rank0_only",))
     def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, rank0_only: bool = False,
                                   cpu_offload: bool = False) -> dict:
         """The optimizer state in torch's full format (get_optimizer_state_dict(..., full_state_dict=True)

@@ -149,13 +149,13 @@ def header(opts, command: str, started: float, load_before: str) -> list[str]:
     """Title, command, commit, machine and load, and what the columns mean."""
     return [
         f"# End-to-end step benchmark ({opts.device.upper()}, gloo)", "",
-        f"Command: `{command}` (part of `make bench-e2e`), {time.strftime('%Y-%m-%dT%H:%MZ', time.gmtime())}, "
+        f"Command: `{command}`, {time.strftime('%Y-%m-%dT%H:%MZ', time.gmtime())}, "
         f"commit {provenance.commit()}, wall time {time.time() - started:.0f} s.",
         f"Machine: {provenance.machine()}. Load average (1, 5, 15 min): {load_before} before, {provenance.load()} "
         "after.",
         f"Each rank one process with one thread, gloo on 127.0.0.1. Per rank: batch {opts.batch_size} × "
         f"{opts.seq_len} tokens of synthetic Markov text, AdamW. {opts.rounds} interleaved rounds per group (preset, "
-        f"K): each round builds every configuration afresh, runs {opts.warmup} warm-up steps and a window of at least "
+        f"K): each round builds every configuration afresh, runs {opts.warmup} warm-up step(s) and a window of at least "
         f"{opts.steps} timed steps and {opts.min_seconds:g} s (at most 60 steps). Step ms: median over rounds of the "
         "slowest rank's median step. ×ddp of step time: the ratio taken in each round, median [min-max] over rounds; "
         f"every verdict uses the median. DDP and SDP buckets {opts.bucket_cap_mb:g} MiB.",

@@ -17,7 +17,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from .. import _C  # noqa: F401  (loads the library that registers the kernels)
+from .build_info import load_library
+
+load_library()  # the compiled library registers the kernels
 
 __all__ = [
     "masked_linear",

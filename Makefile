@@ -66,5 +66,13 @@ bench-e2e: build
 fuzz: build
 	SUBNET_EXT_FUZZ_EXAMPLES=$${SUBNET_EXT_FUZZ_EXAMPLES:-10000} $(PY) bench/fuzz.py
 
+# The suite against another supported torch release, in its own venv (.venv-torchX.Y, with
+# a copy of the tree built against that torch): make test-torch TORCH=2.11.0. See .ci/test-torch.
+TORCH ?=
+.PHONY: test-torch
+test-torch:
+	@test -n "$(TORCH)" || { echo "make test-torch needs a torch release: make test-torch TORCH=2.11.0" >&2; exit 2; }
+	PYTHON=$(PYTHON) bash .ci/test-torch $(TORCH)
+
 clean:
 	rm -rf build bench/bin *.egg-info subnet_ext/_C*.so subnet_ext/_build_info.py

@@ -34,8 +34,10 @@ struct GatheredOperands {
 
 // check_indices: true validates the index values (in range, distinct; on CUDA one device
 // sync to read them back); false checks only dtype, dim and device, and the caller
-// guarantees the values are valid (the engine, whose plan validated them once). Invalid
-// values with check_indices=false are undefined behaviour (out-of-bounds reads/writes).
+// guarantees the values are valid (the engine, whose plan validated them once). With
+// check_indices=false an index out of range is still caught (CPU: a ValueError from a
+// one-pass range check; CUDA: a device assert in the kernels, which loses the context);
+// repeated indices are the caller's to avoid.
 at::Tensor masked_linear_impl(const char* op, const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
                               const OptTensor& out_idx, const OptTensor& in_idx, bool compact_weight,
                               int64_t scatter_width, bool check_indices, const IndexKernels& kernels,

@@ -17,7 +17,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from .. import _C  # noqa: F401  (loads the library that registers the kernels)
+from .build_info import load_library
+
+load_library()  # the compiled library registers the kernels
 
 __all__ = [
     "masked_linear",
@@ -57,9 +59,11 @@ def masked_linear(
         scatter_width: None → output [*, |R|]; an int W → output [*, W] with the kept
             outputs at columns R and zeros elsewhere.
         check_indices: True validates the index values (in range, distinct; on CUDA one
-            device sync per call). False checks only dtype/dim/device: the CALLER
-            GUARANTEES valid indices (the engine, whose plan validated them once), and the
-            forward and its backward then never synchronise (CUDA-graph capturable).
+            device sync per call). False checks dtype/dim/device and, on CPU, the range
+            (one pass, a ValueError); on CUDA an index out of range trips a device assert
+            (the CUDA context is lost). The CALLER GUARANTEES distinct, in-range indices
+            (the engine, whose plan validated them once), and the forward and its backward
+            then never synchronise (CUDA-graph capturable).
     Returns:
         [*, |R|] or [*, scatter_width], dtype of x.
     """

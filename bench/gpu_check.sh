@@ -142,9 +142,10 @@ phase1() {
     step tests-cuda 120 "$PY" "${cuda_tests[@]}"
     step bench-build 400 env PY="$PY" bash bench/build.sh
   else
-    step build 200 "${build[@]}"
+    # Limits: 180 + 15 + 130 + 90 + 30 + 30 = 475 s.
+    step build 180 "${build[@]}"
     step build-info 15 "$PY" -c "$info; import sys; sys.exit(0 if b.WITH_CUDA and torch.cuda.is_available() else 1)"
-    step tests-cuda 110 "$PY" "${cuda_tests[@]}"  # no -x: every failure is listed
+    step tests-cuda 130 "$PY" "${cuda_tests[@]}"  # no -x: every failure is listed
     step bench-build 90 env PY="$PY" bash bench/build.sh
   fi
   bench_build_rc=$step_rc

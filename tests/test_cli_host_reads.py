@@ -46,3 +46,22 @@ def test_a_step_reads_once_and_the_log_interval_once(regime):
     assert len(step_reads) == steps + flushes, step_reads
     assert len(history["loss"]) == len(history["grad_norm"]) == steps
     assert all(isinstance(v, float) and math.isfinite(v) for v in history["loss"] + history["grad_norm"]), history
+
+
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), -float("inf")])
+def test_the_fused_finiteness_flag(bad):
+    """guard.nonfinite_flag against the test's own element-wise check, over dtypes, an
+    empty gradient and a parameter without one."""
+    from subnet_ext.engine.guard import nonfinite_flag
+
+    params = [torch.nn.Parameter(torch.zeros(shape, dtype=dtype))
+              for shape, dtype in [((0,), torch.float32), ((3, 4), torch.float32), ((5,), torch.bfloat16),
+                                   ((2, 2), torch.float16), ((7,), torch.float32)]]
+    for p in params[:-1]:
+        p.grad = torch.randn(p.shape).to(p.dtype)
+    if bad is not None:
+        params[2].grad[3] = bad
+    expected = any(not torch.isfinite(p.grad).all() for p in params if p.grad is not None)
+    flag = nonfinite_flag(params)
+    assert flag.dtype == torch.float32 and flag.dim() == 0 and flag.item() == float(expected)
+    assert nonfinite_flag([params[-1]]) is None

@@ -60,7 +60,7 @@ class _BucketState:
         # piece -> (buffer offset, numel): its parameter's gradient lives in the buffer itself
         # (the parameter's .grad is a view of it; the masked kernel may write it there directly).
         self.in_place = {}
-        self.gradient_params = []  # (parameter, its gradient home) for the held parameter pieces
+        self.gradient_params = []  # the trainable parameters of the held pieces (whose .grad is made a home)
         self._scaled = None  # ([1-D views of the in-place pieces], [their 1/owner-count]), made once
 
     def table(self, quantity: str, resolve: Resolver):

@@ -34,13 +34,16 @@ def nonfinite_flag(parameters: Iterable[torch.Tensor]) -> torch.Tensor | None:
     """1.0 when some gradient holds an inf or NaN, else 0.0: a 0-d float32 tensor on the
     first gradient's device, computed there without a host read (one multi-tensor max |g|
     per device and dtype, which propagates NaN, then one reduction). None without any
-    gradient (parameters without .grad are skipped; a DTensor counts its local shard)."""
+    gradient element (parameters without .grad are skipped; a DTensor counts its local
+    shard)."""
     grads = []
     for p in parameters:
         g = p.grad
         if g is None:
             continue
-        grads.append(g.to_local() if hasattr(g, "to_local") else g)  # DTensor (FSDP): the local shard
+        g = g.to_local() if hasattr(g, "to_local") else g  # DTensor (FSDP): the local shard
+        if g.numel():  # an empty one has no max |g| (and nothing to be non-finite)
+            grads.append(g)
     if not grads:
         return None
     device = grads[0].device

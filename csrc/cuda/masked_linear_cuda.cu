@@ -12,11 +12,14 @@
 // "device-side assert triggered"); validated indices never trip it.
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/baddbmm.h>
 #include <ATen/ops/full.h>
+#include <ATen/ops/mm.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/macros/Macros.h>
+#include <torch/version.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -178,7 +181,30 @@ void scatter_columns_cuda(const at::Tensor& src, const at::Tensor& cols, const a
   });
 }
 
-constexpr IndexKernels kCudaKernels{gather_cuda, scatter_columns_cuda};
+// IndexKernels::gemm_float_out: a half-precision GEMM with fp32 output and accumulation
+// (cuBLAS on tensor cores), from the out_dtype overloads torch has had since 2.8; before
+// that, the operands are widened to fp32 first (exact, but an fp32 GEMM).
+void gemm_float_out_cuda(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b, bool accumulate) {
+  at::Tensor& result = const_cast<at::Tensor&>(out);
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
+  if (accumulate) {
+    // addmm's out_dtype overload wants a half-precision `self`; baddbmm's adds into `out`.
+    at::Tensor result3 = result.unsqueeze(0);
+    at::baddbmm_out(result3, result3, a.unsqueeze(0), b.unsqueeze(0), at::kFloat, 1, 1);
+  } else {
+    at::mm_out(result, a, b, at::kFloat);
+  }
+#else
+  const at::Tensor a32 = a.to(at::kFloat), b32 = b.to(at::kFloat);
+  if (accumulate) {
+    result.addmm_(a32, b32);
+  } else {
+    at::mm_out(result, a32, b32);
+  }
+#endif
+}
+
+constexpr IndexKernels kCudaKernels{gather_cuda, scatter_columns_cuda, gemm_float_out_cuda};
 
 }  // namespace
 

@@ -4,7 +4,9 @@ A gloo or NCCL collective whose peer died or never arrives blocks until the proc
 group's timeout (30 minutes by default) and then fails with a message that names
 neither the operation nor the ranks. Here every collective the engine issues is
 started asynchronously and waited on with a deadline; on timeout or failure the error
-says which operation, on which group of ranks, and what to do.
+says which operation, on which group of ranks, and what to do. Off the training step
+the deadline is a host wait (`wait(..., timeout=)`); in the step it is the process
+group's own timeout (`wait_in_stream_order`), so NCCL collectives never block the host.
 
     work = dist.all_reduce(buffer, group=g, async_op=True)
     wait(work, "all_reduce", "owner set (0, 2)", timeout=60.0)
@@ -95,13 +97,39 @@ def group_ranks(group=None) -> str:
 def wait(work, operation: str, group: str, timeout: float | None = None) -> None:
     """Wait for an async collective; CollectiveError after `timeout` seconds or on failure.
 
+    For collectives off the training step (checkpoints, evaluation, consistency checks):
+    with a timeout, the host blocks until the collective ends (on NCCL too). The step's
+    own collectives use `wait_in_stream_order` instead.
+
     Args:
         work: what `dist.<collective>(..., async_op=True)` returned.
         operation, group: how the error names the collective and its ranks.
         timeout: seconds; None waits for the process group's own timeout.
     """
+    _wait(work, operation, group, timeout, host_deadline=timeout is not None)
+
+
+def wait_in_stream_order(work, operation: str, group: str, group_timeout: float | None = None) -> None:
+    """Wait for a collective of the training step without a host deadline.
+
+    `work.wait()` with no argument: on NCCL the current stream waits for the collective
+    and the host goes on queueing work (no synchronisation); on gloo the host waits. The
+    deadline is the process group's own timeout, set when the group was made (the engine
+    makes its groups with its `timeout`), so a peer that is gone is still an error, not a
+    hang: gloo raises here (turned into a CollectiveError naming `operation` and
+    `group`), NCCL's watchdog aborts the communicator.
+
+    Args:
+        work, operation, group: as `wait`.
+        group_timeout: the seconds the group was created with (None: torch's default),
+            named in the error message only.
+    """
+    _wait(work, operation, group, group_timeout, host_deadline=False)
+
+
+def _wait(work, operation: str, group: str, timeout: float | None, host_deadline: bool) -> None:
     try:
-        done = work.wait() if timeout is None else work.wait(as_timedelta(timeout))
+        done = work.wait(as_timedelta(timeout)) if host_deadline else work.wait()
     except RuntimeError as e:  # DistBackendError and gloo's "Operation timed out!" are RuntimeErrors
         raise CollectiveError(operation, group, timeout, e) from e
     if done is False:  # some backends report a timeout by returning False

@@ -338,13 +338,13 @@ class SubnetDataParallel(DDPInterface, nn.Module):
         """Bytes this rank holds: parameters, gradients, optimizer state, buffers.
 
         Shared storage (owned views of full tensors) counts once. `model_state` =
-        parameters + gradients + optimizer state. A gradient the masked kernel writes
-        straight into a communication bucket counts its own bytes as a gradient (not the
-        whole bucket); `communication_buffers` counts the buckets whole, so the two
-        overlap by `gradients_in_buffers`."""
+        parameters + gradients + optimizer state. A gradient that lives in a communication
+        bucket (comm/averaging.py) counts its own bytes as a gradient (not the whole
+        bucket); `communication_buffers` counts the buckets whole, so the two overlap by
+        `gradients_in_buffers`; `refresh_buffer`: the backward regime's refresh buffer."""
         self._check_open("memory_report")
         return reports.memory_report(self.module, self.layout.local_tensors(), self._averager, self.device,
-                                     optimizer, self.shared_shards)
+                                     optimizer, self.shared_shards, self._refresh)
 
     def predicted_model_state_bytes(self, optimizer_state_per_param: float = 2.0) -> float:
         """Plan's prediction of parameters + gradients + optimizer state (Adam: 2 x params)."""

@@ -7,7 +7,7 @@ import torch.nn as nn
 
 
 class ResidualMLPBlock(nn.Module):
-    """x + fc2(act(fc1(norm(x)))); x: [*, width]. Nothing stored is used in forward, so a
+    """`x + fc2(act(fc1(norm(x))))`; x: `[*, width]`. Nothing stored is used in forward, so a
     block whose hidden width was sliced (fc1 rows, fc2 columns) still runs."""
 
     def __init__(self, width: int, hidden: int):

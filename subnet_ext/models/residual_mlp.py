@@ -42,7 +42,7 @@ class ResidualMLP(nn.Module):
 
 
 def plain_mlp(in_features: int, num_classes: int, hidden=(256, 256, 256)) -> nn.Sequential:
-    """Linear/ReLU stack; the planner masks alternate hidden layers (DESIGN.md §1)."""
+    """Linear/ReLU stack; the planner masks alternate hidden layers (docs/design.md §1.1)."""
     layers, width = [nn.Flatten()], in_features
     for h in hidden:
         layers += [nn.Linear(width, h), nn.ReLU()]

@@ -3,7 +3,7 @@
 A library compiled against one torch does not load into another (undefined C++ symbols);
 the import error must name both versions and the rebuild, not only the missing symbol.
 The failing load is simulated here (the real one needs two torch installs: seen with a
-2.14.1 build under torch 2.11.0, recorded in the README's "Supported torch versions").
+2.14.1 build under torch 2.11.0, recorded in docs/install.md, "Supported torch versions").
 """
 import importlib
 

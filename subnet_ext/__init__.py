@@ -19,14 +19,6 @@ from .engine import SubnetDataParallel
 from .engine.grad_scaler import GradScaler
 from .engine.guard import NonFiniteGuard, TooManySkippedSteps
 from .planning.plan import SubnetPlan, Unit, plan_subnetworks
-from .ops import (
-    masked_linear,
-    masked_linear_backward,
-    masked_linear_grad_weight_,
-    pack_segments,
-    segment_table,
-    unpack_average_,
-)
 
 __version__ = "0.1.0"
 
@@ -51,3 +43,20 @@ __all__ = [
     "ops",
     "reference",
 ]
+
+# The op functions are those of `subnet_ext.ops`, looked up there on first use: importing
+# the package loads no compiled code until an op runs (`subnet_ext.ops.reference` needs none).
+_OPS = ("masked_linear", "masked_linear_backward", "masked_linear_grad_weight_", "pack_segments", "segment_table",
+        "unpack_average_")
+
+
+def __getattr__(name: str):
+    if name in _OPS:
+        value = getattr(ops, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_OPS))

@@ -17,7 +17,7 @@ Glossary (the words the code uses for parts of the model and of its tensors):
              view [size(0), numel // size(0)]; *full* in the original-shape tensor
              (pieces.full_rectangle), *local* in the tensor this rank holds it in.
   segment    a rectangle's place in a packed 1-D buffer: one row (tensor index, row_begin,
-             row_end, col_begin, col_end, buffer offset) of a segment table (ops/__init__.py).
+             row_end, col_begin, col_end, buffer offset) of a segment table (ops/segments.py).
   owner set  the ranks, ascending, that own a unit or a piece (every rank for shared
              tensors); a piece is averaged among exactly its owner set.
   leader     the lowest-ranked owner of a piece (Piece.leader): it alone writes the piece

@@ -2,7 +2,6 @@
 the checks of where it runs, and hooks that hold the engine weakly."""
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 from ..planning.plan import SubnetPlan

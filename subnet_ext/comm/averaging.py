@@ -11,9 +11,10 @@ times 1/owner-count. With overlap off every bucket is issued by `finish()`: the 
 buffers and the same sums, only later, so both paths give bit-identical results.
 
 Each bucket has one persistent buffer (like DDP's), reused for gradients and, with
-sync_every > 1, for parameters.
+sync_every > 1, for parameters. Where each piece lives is handed over once, at
+construction, as PiecePlace tables (places.py): the averager calls nothing above comm.
 
-Gradients keep their addresses for the life of the layout, so the prepared segment
+Gradients keep their addresses for the life of the engine, so the prepared segment
 tables are built once and a step neither validates nor uploads one (no host work, no
 device synchronisation, capturable in a CUDA graph). When gradients are averaged every
 step, each parameter with pieces in a bucket gets an engine-owned gradient, its "home",

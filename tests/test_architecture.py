@@ -208,12 +208,13 @@ def signature_errors(sources: dict) -> list:
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef) and section(name) in LAYERS:
                 defined.setdefault(node.name, set()).add(LAYERS.index(section(name)))
+    callables = {"Callable"}.union(*(_callable_aliases(tree) for tree in trees.values()))  # aliases are imported
     errors = []
     for name, tree in trees.items():
         here = section(name)
         if here not in LAYERS:
             continue
-        level, callables = LAYERS.index(here), {"Callable"} | _callable_aliases(tree)
+        level = LAYERS.index(here)
         for owner, param, annotation, constructor in _signatures(tree):
             names = annotation_names(annotation) if annotation is not None else set()
             for t in sorted(names):
@@ -305,6 +306,7 @@ def test_signature_checker_catches_callbacks_and_higher_types():
         "subnet_ext.engine.data_parallel": "class SubnetDataParallel:\n    pass\n",
         "subnet_ext.comm.bad": comm_bad,
         "subnet_ext.comm.good": "class Fine:\n    def __init__(self, size: int, places: dict):\n        pass\n",
+        "subnet_ext.comm.user": "from .bad import Resolver\ndef refresh(resolve: Resolver):\n    pass\n",
         "subnet_ext.state.user": "def save(where: 'SubnetDataParallel', engine):\n    pass\n",
         "subnet_ext.engine.free": "from typing import Callable\ndef f(layout: 'RankLayout', hook: Callable, sdp):\n"
                                   "    pass\n",
@@ -316,6 +318,7 @@ def test_signature_checker_catches_callbacks_and_higher_types():
         "subnet_ext.comm.bad (comm): Place(layout) is annotated with RankLayout of higher layer state",
         "subnet_ext.comm.bad (comm): hook(sdp) takes the engine: pass what it needs",
         "subnet_ext.comm.bad (comm): hook(done) takes a callable: pass data or a typed object",
+        "subnet_ext.comm.user (comm): refresh(resolve) takes a callable: pass data or a typed object",
         "subnet_ext.state.user (state): save(where) is annotated with SubnetDataParallel of higher layer engine",
         "subnet_ext.state.user (state): save(engine) takes the engine: pass what it needs",
     ])

@@ -5,17 +5,17 @@ only among the ranks that hold it. See README.md and DESIGN.md.
 """
 import sys as _sys
 
-from .state import checkpoint
+from .engine import checkpoint
 
 # `import subnet_ext.checkpoint` and `from subnet_ext.checkpoint import save_subnet_checkpoint` find
-# the same module as the attribute `subnet_ext.checkpoint` (subnet_ext/state/checkpoint.py).
+# the same module as the attribute `subnet_ext.checkpoint` (subnet_ext/engine/checkpoint.py).
 _sys.modules[f"{__name__}.checkpoint"] = checkpoint
 from . import ops
 from .ops import reference
 from .ops.build_info import build_info
 from .comm.collectives import CollectiveError
 from .state.consistency import ConsistencyError
-from .engine import SubnetDataParallel
+from .engine import SDPConfig, SubnetDataParallel
 from .engine.grad_scaler import GradScaler
 from .engine.guard import NonFiniteGuard, TooManySkippedSteps
 from .planning.plan import SubnetPlan, Unit, plan_subnetworks
@@ -24,6 +24,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "SubnetDataParallel",
+    "SDPConfig",
     "GradScaler",
     "NonFiniteGuard",
     "TooManySkippedSteps",

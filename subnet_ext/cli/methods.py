@@ -279,13 +279,14 @@ class SDPMethod(Method):
 
     def __init__(self, model, plan, regime, sync_every, scale, process_group=None, bucket_cap_mb=DEFAULT_BUCKET_CAP_MB,
                  overlap=True, simulate_rank=None, timeout=None, shard_shared=False):
-        from ..engine import SubnetDataParallel
+        from ..engine import SDPConfig, SubnetDataParallel
 
         super().__init__(model)
-        self.sdp = SubnetDataParallel(model, plan, regime=regime, sync_every=sync_every, scale=scale,
-                                      process_group=process_group, bucket_cap_mb=bucket_cap_mb, overlap=overlap,
-                                      simulate_rank=simulate_rank, timeout=timeout, shard_shared=shard_shared)
+        config = SDPConfig(regime=regime, sync_every=sync_every, scale=scale, bucket_cap_mb=bucket_cap_mb,
+                           overlap=overlap, timeout=timeout, shard_shared=shard_shared)
+        self.sdp = SubnetDataParallel(model, plan, config, process_group=process_group, simulate_rank=simulate_rank)
         self.plan = plan
+        self.simulated = simulate_rank is not None  # one rank alone: only its own subnetwork can be evaluated
 
     def forward_module(self):
         """The module the training forward calls (the SubnetDataParallel wrapper)."""
@@ -333,6 +334,6 @@ class SDPMethod(Method):
     def eval_logits(self, x):
         """{"full": full-model logits, "ensemble": mean of the subnetworks' logits}; a simulated rank
         gives {"subnetwork": its own subnetwork's logits}. Logits [B, num_classes] or [B, T, vocab]."""
-        if self.sdp.simulated:  # one rank alone: only its own subnetwork can be evaluated
+        if self.simulated:
             return {"subnetwork": self.sdp.evaluate(x, modes=("ensemble",))["ensemble"]}
         return self.sdp.evaluate(x, modes=("full", "ensemble"))

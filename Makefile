@@ -54,5 +54,12 @@ bench-e2e: build
 fuzz: build
 	SUBNET_EXT_FUZZ_EXAMPLES=$${SUBNET_EXT_FUZZ_EXAMPLES:-10000} $(PY) bench/fuzz.py
 
+# The study, outside CI (bench/study.py): DDP, FSDP2, checkpointing, stochastic depth and SDP on the
+# Python standard library's sources and on digits, 3 seeds; writes docs/study-cpu.md and its plots
+# (<= 60 min on 2 cores). `bench/study.py --quick` is its 10-minute form.
+.PHONY: study
+study: build
+	$(PY) bench/study.py
+
 clean:
 	rm -rf build bench/bin *.egg-info subnet_ext/_C*.so subnet_ext/_build_info.py

@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 (default: the profile's)")
     p.add_argument("--main-only", action="store_true", help="skip the K=2 runs")
+    p.add_argument("--only", type=lambda v: v.split(","), default=None, metavar="RUN,RUN",
+                   help="run only these configurations (and ddp, which the others are read against), e.g. to "
+                        "redo a few; the report covers every result present")
     p.add_argument("--tasks", type=lambda v: v.split(","), default=list(TASKS),
                    help=f"comma-separated subset of {','.join(TASKS)} (default: both)")
     p.add_argument("--out", default=None, help="results folder (default runs/study-<profile>)")
@@ -71,10 +74,12 @@ def _done(out: str, cfg: dict, profile: dict) -> bool:
         return json.load(f).get("profile") == profile
 
 
-def _pending(out: str, k: int, seeds: list[int], profile: dict, tasks) -> list[dict]:
-    """The jobs of world size k with a missing (or other-profile) result; a job's phases rerun with it."""
+def _pending(out: str, k: int, seeds: list[int], profile: dict, tasks, only=None) -> list[dict]:
+    """The jobs of world size k with a missing (or other-profile) result; a job's phases rerun with it.
+    only: configuration names to keep (ddp always kept: the others need its FLOPs and time)."""
     return [j for task in tasks for j in jobs(task, seeds, k)
-            if not all(_done(out, c, profile) for c in [j["config"], *j["phases"]])]
+            if (only is None or j["config"]["name"] in {"ddp", *only})
+            and not all(_done(out, c, profile) for c in [j["config"], *j["phases"]])]
 
 
 def machine() -> dict:
@@ -110,7 +115,7 @@ def run_study(opts) -> dict:
     record = {"profile": profile, "seeds": seeds, "out": out, "started": time.time(),
               "machine_at_start": machine(), "launches": []}
     for k in world_sizes(opts.main_only):
-        todo = _pending(out, k, seeds, profile, opts.tasks)
+        todo = _pending(out, k, seeds, profile, opts.tasks, opts.only)
         if not todo:
             continue
         choose_backend("auto", opts.device, k)  # refuses --device cuda with fewer GPUs than ranks, clearly

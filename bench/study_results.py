@@ -82,7 +82,16 @@ class Results:
         if r is None:
             return None
         mark = "tokens" if name == r["config"]["baseline"] else protocol
-        return next((p for p in r["curve"] if mark in p["marks"]), None)
+        found = next((p for p in r["curve"] if mark in p["marks"]), None)
+        if found is None and protocol == "seconds":  # stopped before DDP's time (study_worker.TIME_EXTENSION)
+            found = next((p for p in r["curve"] if "seconds_not_reached" in p["marks"]), None)
+        return found
+
+    def not_reached(self, task, k, name, protocol) -> bool:
+        """True when some seed stopped before reaching the protocol's mark (read at its last point)."""
+        return any(self.point(task, k, s, name, protocol) is not None
+                   and f"{protocol}_not_reached" in self.point(task, k, s, name, protocol)["marks"]
+                   for s in self.seeds(task, k, name))
 
     def value(self, task, k, seed, name, protocol, mode="full", metric="loss"):
         """A run's metric for one model (mode: full, full_scaled, ensemble, full_unscaled,
@@ -110,6 +119,18 @@ class Results:
         m, s = mean_std(values)
         dm, ds = mean_std(deltas)
         return {"mean": m, "std": s, "delta": dm, "delta_std": ds, "n": len(values)}
+
+    def subnetwork_range(self, task, k, name, protocol) -> tuple:
+        """(lowest, highest) loss of any rank's subnetwork, each the mean over seeds of that rank's."""
+        per_rank = []
+        for seed in self.seeds(task, k, name):
+            p = self.point(task, k, seed, name, protocol)
+            if p and p.get("subnetworks"):
+                per_rank.append(p["subnetworks"]["loss"])
+        if not per_rank:
+            return None, None
+        means = [statistics.fmean(r[i] for r in per_rank) for i in range(len(per_rank[0]))]
+        return min(means), max(means)
 
     def cost(self, task, k, name) -> dict:
         """Per-rank costs (worst rank, seed 0 or the first seed that ran) and per-step figures."""

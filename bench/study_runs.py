@@ -31,7 +31,7 @@ _DIGITS = dict(model="mlp", preset=None, data="digits", seq_len=1, batch_size=32
                lr=3e-3, weight_decay=0.0)
 PROFILES = {
     "full": dict(seeds=3, phase_fraction=0.1, time_check_every=5, timeout=900.0, tasks={
-        "pysrc": dict(model="gpt", preset="small", data="pysrc", seq_len=128, batch_size=8, steps=300, eval_every=50,
+        "pysrc": dict(model="gpt", preset="small", data="pysrc", seq_len=128, batch_size=4, steps=300, eval_every=50,
                       eval_sequences=64, lr=2e-3, weight_decay=0.0, warmup_steps=30),
         "digits": dict(_DIGITS, steps=400, eval_every=50, warmup_steps=20)}),
     "quick": dict(seeds=2, phase_fraction=0.2, time_check_every=5, timeout=600.0, tasks={

@@ -120,6 +120,45 @@ def _recommendations(res, task, k) -> list[str]:
     return lines
 
 
+def _union_best(res, task, k, name) -> str:
+    """The union fix with the largest significant improvement for one block-forward run, in words."""
+    best, best_gain = None, 0.0
+    options = {"owner-fraction scaling": (name, "full_scaled"), "the ensemble": (name, "ensemble")}
+    for phase in sorted({n.split("+", 1)[1] for n in res.names(task, k) if n.startswith(name + "+")}):
+        options[f"a final {phase}"] = (f"{name}+{phase}", "full")
+    for label, run in options.items():
+        gain = paired(res, task, k, run, (name, "full"))
+        if gain[2] and significant(*gain) and gain[0] < best_gain:
+            best, best_gain = label, gain[0]
+    return f"{best} ({best_gain:+.3f})" if best else "none significantly"
+
+
+def summary_section(res: Results) -> str:
+    """A few generated sentences for the top of the report: per task at the largest world size, the best
+    SDP run at each protocol, SDP against stochastic depth at the same coverage, the union fix, and the
+    lowest loss within FSDP2's memory."""
+    out = ["## Summary (generated)", ""]
+    for task in res.tasks():
+        k = res.worlds(task)[0]
+        if "ddp" not in res.names(task, k):
+            continue
+        s = res.summary(task, k, "ddp", "tokens")
+        lines = [f"DDP's loss {s['mean']:.3f} ± {s['std']:.3f}"]
+        lines += [_best(res, task, k, p) for p in ("tokens", "flops")]
+        for c in ("0.5", "0.25"):
+            sd, sdp = f"ddp-sd-c{c}", f"sdp-block-forward-c{c}"
+            if sd in res.names(task, k) and sdp in res.names(task, k):
+                for p in ("tokens", "flops"):
+                    m, sd_std, n = paired(res, task, k, (sdp, "full"), (sd, "full"), p)
+                    lines.append(f"`{sdp}` minus `{sd}` ({PROTOCOL_TITLES[p]}) {_diff(m, sd_std, n)} at "
+                                 f"{_memory(res, task, k, sdp) / _memory(res, task, k, sd):.2f}× its memory")
+                lines.append(f"for `{sdp}`'s assembled model the largest significant improvement is "
+                             f"{_union_best(res, task, k, sdp)}")
+        out.append(f"- **{task}, K = {k}**: " + "; ".join(x.rstrip(".") for x in lines if x) + ".")
+    out.append("")
+    return "\n".join(out)
+
+
 def verdict_section(res: Results) -> str:
     """The "Verdict" section: generated sentences per task and world size, then what is left to judge."""
     out = ["## Verdict (generated from the tables below)", ""]

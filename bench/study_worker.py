@@ -35,6 +35,9 @@ from subnet_ext.cli.training import OptimizerStep, apply_activation_checkpointin
 from subnet_ext.engine.guard import NonFiniteGuard
 
 MAX_EXTENSION = 10  # a run stops at 10 x `steps` whatever its budgets say (flagged "capped")
+# The equal-time mark waits at most this many times the steps the other marks needed: on a machine
+# whose load changes, a run can be much faster per step than DDP was, and the study has a time budget.
+TIME_EXTENSION = 2.0
 
 
 def run_group(spec: dict) -> None:
@@ -71,6 +74,7 @@ class Run:
         self.counted_step_flops = None  # FlopCounterMode's count of this rank's first step
         self.activation_bytes, self.memory, self.times, self.curve = [], None, [], []
         self.started = time.perf_counter()  # the configuration's wall time, setup and evaluations included
+        self.cpu_started = time.process_time()  # and this rank's CPU time (a loaded machine's budget estimate)
 
     def start_at(self, step: int, flops: float, seconds: float) -> None:
         """Continue a run from another's counters (a final phase resumed from a snapshot)."""
@@ -148,9 +152,11 @@ class Run:
     def measurements(self) -> dict:
         """This rank's costs: model state, activations saved for backward, peak RSS, FLOPs."""
         acts = self.activation_bytes or [0]
+        cuda = self.device.type == "cuda"
         return {"rank": self.rank, "memory": self.memory, "activation_bytes_max": max(acts),
+                "peak_cuda_bytes": torch.cuda.max_memory_allocated(self.device) if cuda else None,
                 "activation_bytes_mean": sum(acts) / len(acts), "peak_rss_bytes": proc_status_bytes("VmHWM"),
-                "counted_step_flops": self.counted_step_flops,
+                "counted_step_flops": self.counted_step_flops, "cpu_seconds": time.process_time() - self.cpu_started,
                 "step_time_s": sorted(self.times[1:] or self.times)[len(self.times[1:] or self.times) // 2]}
 
     def close(self) -> None:
@@ -226,13 +232,20 @@ def _run_job(job: dict, spec: dict, device) -> None:
         prun.close()
 
 
+def _reset_peaks(device) -> None:
+    """Peak RSS (and on a GPU the allocator's peak) measured from here: one configuration's."""
+    reset_peak_rss()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 def _train(cfg, profile, device, task, reference, base, batches, branch_at):
     """The main run, with the stopping rule of the module docstring; returns (run, phase snapshot)."""
-    reset_peak_rss()
+    _reset_peaks(device)
     run = Run(cfg, profile, device, task, reference)
     steps, every, check = run.sizes["steps"], run.sizes["eval_every"], profile["time_check_every"]
     pending = {"tokens"} | ({"flops", "seconds"} if base else set())
-    snapshot = None
+    snapshot, others_done_at = None, None
     run.evaluate(["start"], batches)
     while pending and run.step < MAX_EXTENSION * steps:
         run.step_once()
@@ -245,6 +258,11 @@ def _train(cfg, profile, device, task, reference, base, batches, branch_at):
                 run.global_seconds() >= base["seconds"]:
             marks.append("seconds")
         pending -= set(marks)
+        if pending == {"seconds"}:
+            others_done_at = others_done_at or run.step
+            if run.step >= TIME_EXTENSION * others_done_at:  # the time mark is not reached: say so
+                marks.append("seconds_not_reached")
+                pending.clear()
         if marks or run.step % every == 0 or not pending:
             run.evaluate(marks + ([] if pending else ["end"]), batches)
         if run.step == branch_at:
@@ -257,7 +275,7 @@ def _train(cfg, profile, device, task, reference, base, batches, branch_at):
 
 def _continue(run: Run, every: int, batches: list, stop: int) -> None:
     """A final phase: steps from its start to `stop`, evaluated on the grid and at the end."""
-    reset_peak_rss()
+    _reset_peaks(run.device)
     while run.step < stop:
         run.step_once()
         if run.step % every == 0 or run.step == stop:

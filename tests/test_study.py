@@ -158,7 +158,12 @@ def test_protocol_marks_fall_where_the_budgets_are_reached(study):
                     assert at["tokens"]["tokens"] == sizes["steps"] * k * sizes["batch_size"] * sizes["seq_len"]
                     if name == "ddp" or "+" in name:
                         continue
-                    assert at["flops"]["flops"] >= budget["flops"] and at["seconds"]["seconds"] >= budget["seconds"]
+                    assert at["flops"]["flops"] >= budget["flops"]
+                    if "seconds" in at:
+                        assert at["seconds"]["seconds"] >= budget["seconds"]
+                    else:  # gave up at twice the steps the other marks needed
+                        reached = max(at["tokens"]["step"], at["flops"]["step"])
+                        assert at["seconds_not_reached"]["step"] == 2 * reached, (task, name)
                     if not r["config"].get("stochastic_depth"):  # the first step that reaches DDP's FLOPs
                         assert (at["flops"]["step"] - 1) * r["step_flops"] < budget["flops"] <= \
                             at["flops"]["step"] * r["step_flops"]

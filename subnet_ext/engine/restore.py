@@ -1,12 +1,12 @@
 """Undo the model surgery: give the user back the model as it was before wrapping.
 
 surgery.py changes the user's modules in place: skipped blocks (SkippedBlock),
-compact Parameters and width attributes (forward regime), owned-slice Parameters,
+compact Parameters, width and head-count attributes (forward regime), owned-slice Parameters,
 `*_full` buffers, instance attributes shadowing a parameter's name, an instance
 `forward` and `_sdp_*` attributes (backward regime). `restore_structure` puts back,
 module by module, what the engine's meta skeleton (a copy of the model taken before
 the surgery) says was there: the same submodule types, parameter and buffer names,
-shapes, dtypes, requires_grad and order, and the same width attributes. The values of
+shapes, dtypes, requires_grad and order, and the same width and head-count attributes. The values of
 re-created tensors are left uninitialised: the caller loads the assembled full state.
 """
 from __future__ import annotations
@@ -16,9 +16,11 @@ import copy
 import torch
 import torch.nn as nn
 
-from .surgery import _WIDTH_ATTRS
+from .slicing import CONV1D_ATTRS, HEAD_COUNT_ATTRS, HEAD_WIDTH_ATTRS, WIDTH_ATTRS
 
-_WIDTHS = tuple(a for attrs in _WIDTH_ATTRS.values() for a in attrs)
+# Integer attributes slicing.py may change: layer widths, an attention's head count and head widths.
+_WIDTHS = tuple(a for attrs in WIDTH_ATTRS.values() for a in attrs) + CONV1D_ATTRS + HEAD_COUNT_ATTRS \
+    + HEAD_WIDTH_ATTRS
 
 
 def materialise(skeleton: nn.Module, device: torch.device) -> nn.Module:

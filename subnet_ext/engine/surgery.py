@@ -21,21 +21,18 @@ import torch.nn as nn
 
 from .. import ops
 from ..ops.autocast import autocast_dtype, cast_to
-from ..planning.pieces import Piece, owned_indices
+from ..planning.pieces import Piece
 from ..planning.residual import skip_path
+from .head_check import check_sliced_heads
 from .owned_conv import install_owned_conv
-
-
-def split_name(name: str) -> tuple[str, str]:
-    """('a.b', 'c') for 'a.b.c': the module path and the leaf attribute of a dotted name."""
-    path, _, leaf = name.rpartition(".")
-    return path, leaf
+from .slicing import slice_group, split_name
 
 
 class SkippedBlock(nn.Module):
     """What a rank runs for a block it does not own: the block's skip path only.
 
-    skip="identity": returns its input (pre-norm transformer and MLP blocks).
+    skip="identity": returns its input (transformer blocks, pre-LN, post-LN or parallel;
+    residual MLP blocks; blocks with an identity shortcut and no ReLU after the sum).
     skip="shortcut" / "shortcut_relu": shortcut(x), or relu(shortcut(x)) for blocks that
     apply a ReLU after the residual sum; the shortcut is the skip path traced from the
     block (planning/residual.py), its modules kept (shared) under their own names, so a
@@ -101,26 +98,6 @@ def stand_in_for_skipped_first_layers(model: nn.Module) -> None:
             encoder.use_nested_tensor = False
 
 
-_WIDTH_ATTRS = {0: ("out_features", "out_channels", "num_features", "normalized_shape"),
-                1: ("in_features", "in_channels")}
-
-
-def _replace(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    path, leaf = split_name(name)
-    module = model.get_submodule(path)
-    if leaf in module._parameters:
-        old = module._parameters[leaf]
-        module._parameters[leaf] = nn.Parameter(tensor, requires_grad=old.requires_grad)
-    else:
-        module._buffers[leaf] = tensor
-
-
-def _fix_width_attrs(module: nn.Module, dim: int, width: int) -> None:
-    for attr in _WIDTH_ATTRS[dim]:
-        if isinstance(getattr(module, attr, None), int):
-            setattr(module, attr, width)
-
-
 class _InverseScale:
     """Pre-hook scaling a consumer's input by full width / kept width (inverted dropout)."""
 
@@ -129,21 +106,6 @@ class _InverseScale:
 
     def __call__(self, module, args):
         return (args[0] * self.factor,) + tuple(args[1:])
-
-
-def _fix_head_attrs(attn: nn.Module, units: int, kept: int) -> None:
-    """Attention modules that reshape by their head count (GPT-2's split_size, timm's
-    num_heads and attn_dim) must see the kept heads. units: heads (or kv heads) in the full
-    group; kept: those this rank holds."""
-    heads = getattr(attn, "num_heads", None)
-    head_dim = getattr(attn, "head_dim", None)
-    if not isinstance(heads, int) or not isinstance(head_dim, int) or heads % units:
-        return
-    new_heads = kept * (heads // units)
-    for attr in ("split_size", "attn_dim"):
-        if getattr(attn, attr, None) == heads * head_dim:
-            setattr(attn, attr, new_heads * head_dim)
-    attn.num_heads = new_heads
 
 
 def materialise_forward(model: nn.Module, plan, pieces: list[Piece], rank: int, scale: str) -> list:
@@ -156,23 +118,11 @@ def materialise_forward(model: nn.Module, plan, pieces: list[Piece], rank: int, 
                 setattr(parent, leaf, SkippedBlock(parent.get_submodule(leaf), g.skip))
         stand_in_for_skipped_first_layers(model)
         return []
+    check_sliced_heads(model, plan, pieces, rank)  # before any surgery: a refusal leaves the model as it was
     handles = []
     for g, (a, b) in zip(plan.groups, plan.unit_ranges):
         kept = int(plan.owners[rank, a:b].sum())
-        for name in dict.fromkeys(m.name for m in g.members):  # a fused tensor is listed once per block
-            dim, idx = owned_indices(pieces, rank, name)
-            buffer = not any(m.name == name and not m.buffer for m in g.members)
-            full = model.get_parameter(name) if not buffer else model.get_buffer(name)
-            with torch.no_grad():
-                compact = full.detach().index_select(dim, idx.to(full.device)).contiguous()
-            _replace(model, name, compact)
-            module = model.get_submodule(split_name(name)[0])
-            if type(module).__name__ == "Conv1D":  # weight [in, out]: nf outputs, nx inputs
-                module.nx, module.nf = module.weight.shape
-            else:
-                _fix_width_attrs(module, dim, compact.shape[dim])
-        if g.kind == "head":
-            _fix_head_attrs(model.get_submodule(g.path), g.size, kept)
+        slice_group(model, "", g, pieces, rank, kept)
         if scale == "inverse":
             for c in g.consumers:
                 handles.append(model.get_submodule(c).register_forward_pre_hook(_InverseScale(g.size / kept)))

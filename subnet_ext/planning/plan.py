@@ -21,7 +21,6 @@ import hashlib
 import json
 import math
 import random
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,9 +30,11 @@ import torch.nn as nn
 from .assign import assign_blocks, assign_neurons
 from .flops import trace_unit_flops
 from .plan_json import check_plan_json
-from .rank_graph import components, rank_graph, spectral_gap
+from .summary import plan_summary
+from .rank_graph import check_ranks_tied, components, rank_graph, spectral_gap
 from .aliases import find_aliases
-from .units import UnitGroup, check_no_chained, find_blocks, find_neuron_groups, slice_numel
+from .blocks import find_blocks
+from .units import UnitGroup, check_no_chained, find_neuron_groups, slice_numel
 
 LEVELS = ("block", "neuron")
 
@@ -144,6 +145,8 @@ class SubnetPlan:
                                              if n not in self.param_names and self.is_float(n)))
         self.shared_params = [n for n in self.shared if n in self.param_names]
         self.shared_bytes = float(sum(self._bytes_of(n, math.prod(self.tensor_shapes[n])) for n in self.shared_params))
+        self.unit_params = torch.from_numpy(uparams)
+        self.shared_param_count = sum(self.numel_of(n) for n in self.shared_params)
         if flops is None:
             self.unit_flops = torch.from_numpy(2.0 * uparams)
             self.shared_flops = 2.0 * sum(math.prod(self.tensor_shapes[n]) for n in self.shared_params)
@@ -178,6 +181,25 @@ class SubnetPlan:
         """FLOPs each rank computes per forward of the sample input, float64 [world_size]
         (shared FLOPs + those of the units it owns; units as flops_source says)."""
         return self.shared_flops + self.owners.double() @ self.unit_flops
+
+    def numel_of(self, name: str) -> int:
+        """Elements of state-dict entry `name` in the original model."""
+        return math.prod(self.tensor_shapes[name])
+
+    @property
+    def total_params(self) -> int:
+        """Parameters of the full model (a tied tensor once)."""
+        return self.shared_param_count + int(self.unit_params.sum())
+
+    @property
+    def params_per_rank(self) -> torch.Tensor:
+        """Parameters each rank holds (shared + owned units) in the forward regime, float64 [world_size]."""
+        return self.shared_param_count + self.owners.double() @ self.unit_params
+
+    @property
+    def held_fraction(self) -> torch.Tensor:
+        """params_per_rank / total_params, float64 [world_size]: about the coverage when units dominate."""
+        return self.params_per_rank / max(self.total_params, 1)
 
     @property
     def full_bytes(self) -> float:
@@ -229,40 +251,13 @@ class SubnetPlan:
                                      f"world size {k}, coverage {self.coverage}): that layer would be empty. "
                                      "Raise the coverage or use level='block'.")
         components = self.rank_components() if k > 1 else [[0]]
-        if len(components) > 1:
-            apart = sorted(set(range(k)) - set(components[0]))
-            if not self.shared_params:
-                raise ValueError(f"the rank graph is disconnected: ranks {apart} share no unit with rank 0 and no "
-                                 f"parameter is shared, so their models never mix (components {components}). "
-                                 f"Raise the coverage (now {self.coverage}) or keep some parameters shared.")
-            warnings.warn(f"SubnetPlan: ranks {apart} share no unit with rank 0 (components {components}, world "
-                          f"size {k}, coverage {self.coverage}, {owners_per_unit(k, self.coverage)} owner(s)/unit): "
-                          "only the shared parameters tie their models together, and each unit is trained on its "
-                          "owners' data alone. This is legitimate (coverage 1/K gives every unit one owner); raise "
-                          "the coverage so units have 2+ owners if the subnetworks should mix.", stacklevel=4)
+        check_ranks_tied(components, self.coverage, owners_per_unit(k, self.coverage), bool(self.shared_params))
 
     # ----------------------------------------------------------------- output
     def summary(self) -> str:
-        """A readable table: per-rank units, parameters, bytes, FLOPs; the checks."""
-        k, full = self.world_size, self.full_bytes
-        lines = [f"SubnetPlan: {len(self.units)} {self.level}-level units in {len(self.groups)} group(s), "
-                 f"world size {k}, coverage {self.coverage} ({owners_per_unit(k, self.coverage)} owner(s)/unit), "
-                 f"seed {self.seed}",
-                 f"shared: {len(self.shared_params)} parameter tensors, {self.shared_bytes / 2**20:.2f} MiB; "
-                 f"full model {full / 2**20:.2f} MiB",
-                 f"FLOPs: {self.flops_source}",
-                 "", "| rank | units | param MiB | vs full | GFLOP |", "|---:|---:|---:|---:|---:|"]
-        for r in range(k):
-            b, f = float(self.bytes_per_rank[r]), float(self.flops_per_rank[r])
-            lines.append(f"| {r} | {int(self.owners[r].sum())} | {b / 2**20:.2f} | {b / full:.1%} | {f / 1e9:.4f} |")
-        imb, parts = self.imbalance, self.rank_components() if k > 1 else [[0]]
-        graph = "connected" if len(parts) == 1 else f"disconnected by units, tied by shared parameters only {parts}"
-        counted_by = "traced" if self.flops_source.startswith("traced") else "2 x params"
-        lines += ["", f"checks: every unit owned (min owners {int(self.owner_count.min())}), "
-                      f"rank graph by shared units {graph} (spectral gap {self.spectral_gap:.3f}), "
-                      f"imbalance bytes {imb['bytes']:.1%} flops {imb['flops']:.1%} ({counted_by}), "
-                      f"{len(self.owner_sets())} distinct owner set(s)"]
-        return "\n".join(lines)
+        """A readable report: parameters per unit, per-rank units, parameters, held fraction of the
+        model next to the coverage, bytes, FLOPs; the checks; warnings (summary.py)."""
+        return plan_summary(self, owners_per_unit(self.world_size, self.coverage))
 
     def to_json(self) -> str:
         """The plan as JSON (format "subnet_ext.plan/1"): groups, owners, shapes, dtypes, FLOPs, ..."""

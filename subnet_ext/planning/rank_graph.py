@@ -6,8 +6,11 @@ smallest eigenvalue of the normalised Laplacian) measures how well the subnetwor
 """
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
+import torch.distributed as dist
 
 
 def rank_graph(owners: torch.Tensor) -> np.ndarray:
@@ -48,3 +51,28 @@ def spectral_gap(adj: np.ndarray) -> float:
         inv = np.where(deg > 0, 1.0 / np.sqrt(deg), 0.0)
     lap = np.diag((deg > 0).astype(np.float64)) - inv[:, None] * adj * inv[None, :]
     return max(0.0, float(np.sort(np.linalg.eigvalsh(lap))[1]))
+
+
+def on_first_rank() -> bool:
+    """True unless torch.distributed is initialised and this process is not rank 0 of the
+    default group: every rank builds the same plan, and a warning about it is said once."""
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def check_ranks_tied(parts: list[list[int]], coverage: float, owners_per_unit: int, has_shared: bool) -> None:
+    """Refuse a rank graph split into `parts` (components) when no shared parameter ties them
+    either; warn (once across ranks) when only the shared parameters do."""
+    if len(parts) <= 1:
+        return
+    k = sum(len(p) for p in parts)
+    apart = sorted(set(range(k)) - set(parts[0]))
+    if not has_shared:
+        raise ValueError(f"the rank graph is disconnected: ranks {apart} share no unit with rank 0 and no "
+                         f"parameter is shared, so their models never mix (components {parts}). "
+                         f"Raise the coverage (now {coverage}) or keep some parameters shared.")
+    if on_first_rank():  # every rank builds the plan; one says it
+        warnings.warn(f"SubnetPlan: ranks {apart} share no unit with rank 0 (components {parts}, world size {k}, "
+                      f"coverage {coverage}, {owners_per_unit} owner(s)/unit): only the shared parameters tie their "
+                      "models together, and each unit is trained on its owners' data alone. This is legitimate "
+                      "(coverage 1/K gives every unit one owner); raise the coverage so units have 2+ owners if the "
+                      "subnetworks should mix.", stacklevel=5)

@@ -1,21 +1,26 @@
-"""The skip path of a residual block, found by its role rather than by a name.
+"""What skipping a residual block computes, found by tracing the block's dataflow (DESIGN.md §8).
 
-A rank that does not own a block still has to produce the block's output shape and
-the residual signal: it runs the block's *skip path*, the part of the block that
-computes the non-branch operand of the residual sum (a shortcut projection, or nothing
-for an identity shortcut), followed by the ReLU when the block applies one after the
-sum (post-activation ResNets) and without it when it does not (pre-activation blocks).
+A rank that does not own a block still has to produce the block's output: it runs the
+block's *skip path*. The block is traced once with torch.fx, its children kept as opaque
+calls (their insides do not matter, and an attention's shape arithmetic would not trace),
+arguments with defaults fixed to them. From the output, the *identity chain* is walked
+back to the input: residual adds (each continuing through the operand that carries the
+input through adds only), norms and dropout applied after an add (post-LN: on the chain,
+in the unit, dropped with the block as LayerDrop does), and ReLUs after the last add
+(post-activation ResNets: kept, the skip path is relu(shortcut)). Where no add operand
+is the input itself, the one through fewer parameterised modules is the shortcut
+projection (ResNet's downsample): its modules are the *skip modules*, held by every rank,
+so an unowned block still maps shapes. Everything else, every branch of every add
+(pre-LN: ln_1, attention, ln_2, MLP; parallel: ln, attention and MLP), is the unit.
 
-The path is found by tracing the block once with torch.fx (no sample input needed):
-walk back from the output through ReLUs to the residual add; of its two operands the
-shortcut is the one that depends on the block input through fewer parameterised
-modules. The top-level children that operand depends on are the block's *skip
-modules*: shared by every rank (held whole, outside the block's unit), so every rank
-can run them. When tracing fails (data-dependent control flow), the shortcut is found
-by name (downsample, shortcut, proj, skip) and the ReLU is assumed, as in torchvision.
+A module with no residual add carrying its input to its output is not a block: the trace
+says so (ResidualError), and skipping it would compute something else. Only when torch.fx
+cannot trace a ResNet-shaped block (see units.py) is its shortcut found by name
+(downsample, shortcut, proj, skip) with the ReLU after the sum torchvision blocks apply.
 """
 from __future__ import annotations
 
+import inspect
 import operator
 from dataclasses import dataclass
 
@@ -27,6 +32,20 @@ import torch.nn.functional as F
 SHORTCUT_NAMES = ("downsample", "shortcut", "proj", "skip")
 _ADDS = {operator.add, operator.iadd, torch.add}
 _RELUS = {F.relu, torch.relu, torch.relu_}
+# Functions that leave a residual stream's meaning in place when applied after an add.
+_PASS_FUNCTIONS = {F.layer_norm, F.group_norm, F.batch_norm, F.dropout} | \
+    ({F.rms_norm} if hasattr(F, "rms_norm") else set())
+_NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm) + \
+    ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
+
+
+class ResidualError(ValueError):
+    """Why a module is not a residual block the planner can skip. untraceable: torch.fx
+    could not trace it (as opposed to: traced, and no residual add around it)."""
+
+    def __init__(self, message: str, untraceable: bool = False):
+        super().__init__(message)
+        self.untraceable = untraceable
 
 
 @dataclass
@@ -44,8 +63,34 @@ class SkipPath:
 
     @property
     def mode(self) -> str:
-        """The plan's skip mode: "shortcut_relu" (post-activation) or "shortcut"."""
+        """The plan's skip mode: "identity", "shortcut_relu" (post-activation) or "shortcut"."""
+        if not self.modules and not self.relu:
+            return "identity"
         return "shortcut_relu" if self.relu else "shortcut"
+
+
+class _ChildrenAsCalls(fx.Tracer):
+    """Every submodule call is one graph node: the block's own dataflow is what matters."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return True
+
+
+def _trace(block: nn.Module) -> fx.GraphModule:
+    """The block's forward as a graph (children opaque; defaulted arguments fixed to their defaults)."""
+    try:  # the class's forward, as torch.fx traces it (an instance may wrap it, e.g. in a checkpoint)
+        params = list(inspect.signature(type(block).forward).parameters.values())[1:]  # without self
+    except (TypeError, ValueError):
+        params = []
+    fixed = {p.name: p.default for p in params[1:]
+             if p.default is not inspect.Parameter.empty and p.kind is not p.VAR_KEYWORD}
+    tracer = _ChildrenAsCalls()
+    try:
+        graph = tracer.trace(block, concrete_args=fixed or None)
+    except Exception as e:  # data-dependent control flow, size unpacking, unsupported ops
+        raise ResidualError(f"torch.fx cannot trace it ({type(e).__name__}: {str(e).splitlines()[0][:200]})",
+                            untraceable=True) from None
+    return fx.GraphModule(tracer.root, graph)
 
 
 def _is_relu(node: fx.Node, gm: fx.GraphModule) -> bool:
@@ -57,8 +102,22 @@ def _is_relu(node: fx.Node, gm: fx.GraphModule) -> bool:
 
 
 def _is_add(node: fx.Node) -> bool:
-    return (node.op == "call_function" and node.target in _ADDS) or \
+    is_add = (node.op == "call_function" and node.target in _ADDS) or \
         (node.op == "call_method" and node.target in ("add", "add_"))
+    return is_add and len(node.args) >= 2 and all(isinstance(a, fx.Node) for a in node.args[:2]) and \
+        "alpha" not in node.kwargs
+
+
+def _passes_through(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """A norm, dropout or identity of one tensor: on the chain when applied after an add."""
+    if not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    if node.op == "call_function":
+        return node.target in _PASS_FUNCTIONS
+    if node.op != "call_module":
+        return False
+    m = gm.get_submodule(node.target)
+    return isinstance(m, _NORM_TYPES + (nn.Dropout, nn.Identity)) or type(m).__name__.endswith("Norm")
 
 
 def _ancestors(node: fx.Node) -> set:
@@ -72,41 +131,86 @@ def _ancestors(node: fx.Node) -> set:
     return seen
 
 
-def _param_modules(nodes: set, gm: fx.GraphModule) -> set:
-    return {n.target for n in nodes if n.op == "call_module"
-            and any(True for _ in gm.get_submodule(n.target).parameters())}
+def _cost(nodes: set, gm: fx.GraphModule) -> int:
+    """Parameterised modules (counted inside opaque children) the nodes call."""
+    total = 0
+    for n in nodes:
+        if n.op == "call_module":
+            total += sum(1 for m in gm.get_submodule(n.target).modules()
+                         if any(True for _ in m.parameters(recurse=False)))
+    return total
 
 
-def _traced(block: nn.Module) -> SkipPath | None:
-    try:
-        gm = fx.symbolic_trace(block)
-    except Exception:  # data-dependent control flow, unsupported ops: fall back to names
-        return None
-    graph = gm.graph
-    inputs = [n for n in graph.nodes if n.op == "placeholder"]
-    out = next(n for n in graph.nodes if n.op == "output")
+@dataclass(frozen=True)
+class _Chain:
+    base: fx.Node  # the input placeholder, or the shortcut projection's output
+    adds: int  # residual adds between base and the node
+
+
+def _chain(node: fx.Node, inp: fx.Node, gm: fx.GraphModule, memo: dict) -> _Chain | None:
+    """The identity chain from `inp` to `node`, or None when `node` is not on one."""
+    if node in memo:
+        return memo[node]
+    memo[node] = None  # a graph is acyclic; this only guards against re-entry
+    found = None
+    if node is inp:
+        found = _Chain(inp, 0)
+    elif _is_add(node):
+        operands = list(node.args[:2])
+        chains = {i: c for i, a in enumerate(operands) if (c := _chain(a, inp, gm, memo)) is not None}
+        costs = [_cost(_ancestors(a), gm) for a in operands]
+        cheaper = costs.index(min(costs)) if costs[0] != costs[1] else None
+        reached = len(chains)
+        if reached == 2:  # both operands reach the input through adds: the cheaper one carries it
+            chains = {cheaper: chains[cheaper]} if cheaper is not None else {}
+        if len(chains) == 1:
+            c = next(iter(chains.values()))
+            found = _Chain(c.base, c.adds + 1)
+        elif reached == 0 and cheaper is not None and inp in _ancestors(operands[cheaper]):
+            # No operand is a chain: the one through fewer parameterised modules is the shortcut.
+            found = _Chain(operands[cheaper], 1)
+    elif _passes_through(node, gm):
+        c = _chain(node.args[0], inp, gm, memo)
+        if c is not None and c.adds > 0:
+            found = _Chain(c.base, c.adds)
+    memo[node] = found
+    return found
+
+
+def _top_names(nodes) -> tuple:
+    return tuple(dict.fromkeys(n.target.split(".")[0] for n in nodes if n.op in ("call_module", "get_attr")))
+
+
+def trace_skip_path(block: nn.Module) -> SkipPath:
+    """The block's skip path from its traced dataflow (module docstring); raises ResidualError
+    when it cannot be traced or no chain of residual adds carries its input to its output."""
+    gm = _trace(block)
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    out = next(n for n in gm.graph.nodes if n.op == "output")
     node, relus = out.args[0], 0
-    while isinstance(node, fx.Node) and _is_relu(node, gm):
+    if not isinstance(node, fx.Node):
+        raise ResidualError(f"its forward returns a {type(node).__name__}, not one tensor: a stand-in returning "
+                            "its input could not replace it")
+    while _is_relu(node, gm) and isinstance(node.args[0], fx.Node):
         node, relus = node.args[0], relus + 1
-    if not inputs or not isinstance(node, fx.Node) or not _is_add(node) or len(node.args) < 2 \
-            or not all(isinstance(a, fx.Node) for a in node.args[:2]):
-        return None
-    anc = [_ancestors(a) for a in node.args[:2]]
-    costs = [len(_param_modules(a, gm)) for a in anc]
-    if costs[0] == costs[1]:
-        return None  # no operand is cheaper: not a branch + shortcut sum
-    s = 0 if costs[0] < costs[1] else 1
-    if inputs[0] not in anc[s]:
-        return None
-    shortcut = node.args[s]
-    modules = tuple(dict.fromkeys(n.target.split(".")[0] for n in anc[s]
-                                  if n.op in ("call_module", "get_attr")))
-    with graph.inserting_before(out):
-        result = graph.call_function(torch.relu, (shortcut,)) if relus else shortcut
-    out.args = (result,)
-    graph.eliminate_dead_code()
-    gm.recompile()
-    return SkipPath(modules, relus > 0, type(gm).forward)
+    chain = _chain(node, inputs[0], gm, {}) if inputs else None
+    if chain is None:
+        raise ResidualError("no residual add carries its input to its output (skipping it would not be the "
+                            "identity)")
+    needed = _ancestors(chain.base)
+    others = [n.name for n in needed if n.op == "placeholder" and n is not inputs[0]]
+    if others:
+        raise ResidualError(f"its shortcut reads the argument(s) {others} besides the input; a stand-in cannot "
+                            "compute it from the input alone")
+    graph, env = fx.Graph(), {}
+    for n in gm.graph.nodes:  # the skip path alone: the base's ancestors, then the ReLU
+        if n in needed:
+            env[n] = graph.node_copy(n, lambda a: env[a])
+    result = env[chain.base]
+    graph.output(graph.call_function(torch.relu, (result,)) if relus else result)
+    skip = fx.GraphModule(gm, graph)
+    modules = _top_names(needed) if chain.base is not inputs[0] else ()
+    return SkipPath(modules, relus > 0, type(skip).forward)
 
 
 def _by_name(block: nn.Module) -> SkipPath:
@@ -119,15 +223,23 @@ def _by_name(block: nn.Module) -> SkipPath:
 
 
 def skip_path(block: nn.Module) -> SkipPath:
-    """The block's skip path: traced when torch.fx can, else by the shortcut's name."""
-    return _traced(block) or _by_name(block)
+    """The block's skip path: traced when torch.fx can, else (untraceable blocks) by the
+    shortcut's name with a ReLU after the sum. For ResNet-shaped blocks only (units.py)."""
+    try:
+        return trace_skip_path(block)
+    except ResidualError as e:
+        if not e.untraceable:
+            raise
+        return _by_name(block)
 
 
 def is_pre_activation(block: nn.Module) -> bool:
     """True when tracing shows no ReLU after the residual sum (bn-relu-conv order): the
     block's first norm then normalises its input, not the inner channels."""
-    path = _traced(block)
-    return path is not None and not path.relu
+    try:
+        return not trace_skip_path(block).relu
+    except ResidualError:
+        return False
 
 
 def pre_activation_error(path: str) -> ValueError:

@@ -1,22 +1,21 @@
-"""Where the units are: residual blocks and neuron groups found in a model.
+"""Where the units are: the unit groups, and the neuron groups found in a model.
 
-A *block group* is one residual branch (ResNet BasicBlock/Bottleneck, a transformer
-layer, a residual MLP block): one unit, owning every parameter inside the block except
-its shortcut projection. A *neuron group* is a set of equal slices of several
-parameters (producer rows, consumer columns, norm entries) indexed by unit j: slice
-j of member (param, dim, width) is [j*width, (j+1)*width) along dim.
+A *block group* is one residual block (blocks.py finds them): one unit, owning every
+parameter inside the block except its shortcut projection. A *neuron group* is a set of
+equal slices of several parameters (producer rows, consumer columns, norm entries)
+indexed by unit j: slice j of member (param, dim, width) is [j*width, (j+1)*width) along dim.
 
-Recognised without help: modules with fc1/fc2 Linears, gated MLPs (gate_proj/up_proj/
-down_proj), attention with q_proj/k_proj/v_proj/o_proj (a kv head with its query
-heads is one unit), fused-qkv attention (GPT-2 c_attn/c_proj Conv1D, timm qkv/proj
-Linear: one unit per head, three column/row blocks of the fused tensor), GPT-2 Conv1D
-MLPs (c_fc/c_proj), nn.TransformerEncoderLayer (MLP neurons), ResNet BasicBlock/
-Bottleneck-shaped blocks whatever their shortcut is called (the skip path is traced,
-residual.py; pre-activation blocks skip without ReLU), transformer blocks (*DecoderLayer,
-GPT2Block, timm ViT Block) at block level, and plain nn.Sequential stacks of Linear
-layers with BatchNorm1d and element-wise layers between them (alternate hidden layers,
-so no weight sits between two masked groups; a BatchNorm1d in a masked layer is sliced). Users declare the rest:
-`blocks=["path", ...]` and `neuron_groups=[("producer.path", "consumer.path"), ...]`.
+Neuron groups recognised without help: modules with fc1/fc2 Linears, gated MLPs
+(gate_proj/up_proj/down_proj), attention with q_proj/k_proj/v_proj/o_proj (a kv head with
+its query heads is one unit), fused-qkv attention (GPT-2's c_attn/c_proj Conv1D, nanoGPT's
+c_attn/c_proj Linear with `n_head` or `num_heads`, timm's qkv/proj Linear: one unit per
+head, three column/row blocks of the fused tensor), c_fc/c_proj MLPs (GPT-2's Conv1D,
+nanoGPT's Linear), nn.TransformerEncoderLayer (MLP neurons), ResNet BasicBlock/
+Bottleneck-shaped blocks (inner channels; pre-activation blocks are refused), and plain
+nn.Sequential stacks of Linear layers with BatchNorm1d and element-wise layers between
+them (alternate hidden layers, so no weight sits between two masked groups; a
+BatchNorm1d in a masked layer is sliced). Users declare the rest:
+`neuron_groups=[("producer.path", "consumer.path"), ...]`.
 """
 from __future__ import annotations
 
@@ -25,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn as nn
 
-from .residual import _traced, is_pre_activation, pre_activation_error, skip_path
+from .residual import is_pre_activation, pre_activation_error
 
 _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
@@ -105,12 +104,14 @@ def _linear_consumer(module: nn.Linear, path: str, width: int = 1) -> list[Membe
     return [Member(_join(path, "weight"), 1, width)]
 
 
-def _is_basic_block(m: nn.Module) -> bool:
+def is_basic_block(m: nn.Module) -> bool:
+    """ResNet BasicBlock-shaped: conv1, bn1, conv2 and no conv3 (whatever the shortcut is called)."""
     return all(isinstance(getattr(m, a, None), nn.Conv2d) for a in ("conv1", "conv2")) and \
         isinstance(getattr(m, "bn1", None), _NORMS) and not hasattr(m, "conv3")
 
 
-def _is_bottleneck(m: nn.Module) -> bool:
+def is_bottleneck(m: nn.Module) -> bool:
+    """ResNet Bottleneck-shaped: conv1, conv2, conv3 and bn2."""
     return all(isinstance(getattr(m, a, None), nn.Conv2d) for a in ("conv1", "conv2", "conv3")) and \
         isinstance(getattr(m, "bn2", None), _NORMS)
 
@@ -127,7 +128,8 @@ def _is_fc_mlp(m: nn.Module) -> bool:
     return isinstance(getattr(m, "fc1", None), nn.Linear) and isinstance(getattr(m, "fc2", None), nn.Linear)
 
 
-def _is_decoder_layer(m: nn.Module) -> bool:
+def is_decoder_layer(m: nn.Module) -> bool:
+    """A transformers-style *DecoderLayer with self_attn and mlp."""
     return hasattr(m, "self_attn") and hasattr(m, "mlp") and type(m).__name__.endswith("DecoderLayer")
 
 
@@ -141,82 +143,41 @@ def _is_conv1d_mlp(m: nn.Module) -> bool:
     return _is_conv1d(getattr(m, "c_fc", None)) and _is_conv1d(getattr(m, "c_proj", None))
 
 
+def _is_linear_mlp(m: nn.Module) -> bool:
+    """nanoGPT-style MLP: c_fc and c_proj nn.Linear."""
+    return isinstance(getattr(m, "c_fc", None), nn.Linear) and isinstance(getattr(m, "c_proj", None), nn.Linear)
+
+
+def _head_count(m: nn.Module) -> int | None:
+    """The attention's head count: `num_heads` (GPT-2, timm) or `n_head` (nanoGPT)."""
+    for attr in ("num_heads", "n_head"):
+        value = getattr(m, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def _fused_layout(m: nn.Module) -> tuple[str, str, bool] | None:
+    """(fused qkv projection, output projection, weights stored [in, out]) of GPT-2's Conv1D
+    c_attn/c_proj, nanoGPT's nn.Linear c_attn/c_proj or timm's nn.Linear qkv/proj; else None."""
+    c_attn, c_proj = getattr(m, "c_attn", None), getattr(m, "c_proj", None)
+    if _is_conv1d(c_attn) and _is_conv1d(c_proj):
+        return "c_attn", "c_proj", True
+    if isinstance(c_attn, nn.Linear) and isinstance(c_proj, nn.Linear):
+        return "c_attn", "c_proj", False
+    if isinstance(getattr(m, "qkv", None), nn.Linear) and isinstance(getattr(m, "proj", None), nn.Linear):
+        return "qkv", "proj", False
+    return None
+
+
 def _is_fused_attention(m: nn.Module) -> bool:
-    """One projection holding q, k and v (GPT-2 c_attn Conv1D, timm qkv Linear) + an output projection."""
-    gpt2 = _is_conv1d(getattr(m, "c_attn", None)) and _is_conv1d(getattr(m, "c_proj", None))
-    timm = isinstance(getattr(m, "qkv", None), nn.Linear) and isinstance(getattr(m, "proj", None), nn.Linear)
-    return (gpt2 or timm) and isinstance(getattr(m, "num_heads", None), int)
+    """One projection holding q, k and v, an output projection, and a head count."""
+    return _fused_layout(m) is not None and _head_count(m) is not None
 
 
-def _is_vit_block(m: nn.Module) -> bool:
+def is_vit_block(m: nn.Module) -> bool:
     """timm ViT Block: pre-norm attention + MLP, each added to the input."""
     return all(hasattr(m, a) for a in ("norm1", "attn", "norm2", "mlp")) and type(m).__name__ == "Block"
-
-
-def is_recognised_block(m: nn.Module) -> bool:
-    """Residual blocks the planner knows how to skip."""
-    return (_is_basic_block(m) or _is_bottleneck(m) or _is_decoder_layer(m)
-            or isinstance(m, nn.TransformerEncoderLayer) or type(m).__name__ in ("ResidualMLPBlock", "GPT2Block")
-            or _is_vit_block(m))
-
-
-def _block_skip(block: nn.Module) -> tuple[str, tuple]:
-    """(skip mode, top-level children the skip path runs) of a block; see residual.py.
-
-    Transformer and residual-MLP layers pass their input through unchanged. A ResNet-style
-    block runs its traced skip path (by-name fallback); a declared block of unknown kind
-    runs its traced skip path when tracing finds one, else passes its input through."""
-    if _is_decoder_layer(block) or isinstance(block, nn.TransformerEncoderLayer) \
-            or type(block).__name__ in ("ResidualMLPBlock", "GPT2Block") or _is_vit_block(block):
-        return "identity", ()
-    resnet = _is_basic_block(block) or _is_bottleneck(block)
-    path = skip_path(block) if resnet else _traced(block)
-    if path is None or (not path.modules and not path.relu):
-        return "identity", ()
-    return path.mode, path.modules
-
-
-def _block_group(model: nn.Module, path: str) -> UnitGroup:
-    block = model.get_submodule(path)
-    skip, shortcut_children = _block_skip(block)
-
-    def in_unit(n: str) -> bool:  # the skip path's children are shared: every rank runs them
-        return n.split(".")[0] not in shortcut_children
-
-    params, buffers = [], []
-    for n, _ in block.named_parameters():
-        if in_unit(n):
-            params.append(_join(path, n))
-    for n, b in block.named_buffers():
-        owner_path, _, leaf = n.rpartition(".")
-        owner = block.get_submodule(owner_path) if owner_path else block
-        if leaf in owner._non_persistent_buffers_set:
-            continue
-        if in_unit(n):
-            buffers.append(_join(path, n))
-    if not params:
-        raise ValueError(f"block {path!r} has no parameters outside its skip path {shortcut_children}; "
-                         "it cannot be a unit")
-    return UnitGroup("block", path, 1, params=params, buffers=buffers, skip=skip)
-
-
-def find_blocks(model: nn.Module, blocks=None) -> list[UnitGroup]:
-    """Block groups, in model order. `blocks`: module paths declared by the user."""
-    if blocks is not None:
-        names = dict(model.named_modules())
-        for b in blocks:
-            if b not in names or b == "":
-                raise ValueError(f"declared block {b!r} is not a submodule path of the model "
-                                 f"(see model.named_modules())")
-        return [_block_group(model, b) for b in blocks]
-    found, taken = [], []
-    for path, m in model.named_modules():
-        if any(path.startswith(t + ".") for t in taken):
-            continue  # a block inside a block: the outer one is the unit
-        if path and is_recognised_block(m):
-            found.append(_block_group(model, path))
-            taken.append(path)
-    return found
 
 
 def _attention_group(attn: nn.Module, path: str) -> UnitGroup:
@@ -259,14 +220,16 @@ def _pair_group(model, kind, path, producers, consumers, norms=()) -> UnitGroup:
 def _fused_attention_group(attn: nn.Module, path: str) -> UnitGroup:
     """One unit per head of a fused-qkv attention: head h owns, of the fused projection,
     the q, k and v blocks at offsets h*d, E + h*d and 2E + h*d (E = heads * d), and rows
-    (Conv1D) or columns (Linear) h*d .. (h+1)*d of the output projection."""
-    gpt2 = hasattr(attn, "c_attn")
-    fused, out = ("c_attn", "c_proj") if gpt2 else ("qkv", "proj")
-    heads = attn.num_heads
-    width = attn.c_attn.nf if gpt2 else attn.qkv.out_features
-    if width % (3 * heads):
-        raise ValueError(f"attention {path!r}: fused projection {fused!r} has {width} outputs, not 3 x "
-                         f"{heads} heads x head_dim (cross-attention or a custom layout); declare its units")
+    (Conv1D) or columns (Linear) h*d .. (h+1)*d of the output projection. The head count
+    is `num_heads` or `n_head`; d is `head_dim` where the module has one (checked)."""
+    fused, out, transposed = _fused_layout(attn)
+    heads = _head_count(attn)
+    width = getattr(attn, fused).nf if transposed else getattr(attn, fused).out_features
+    head_dim = getattr(attn, "head_dim", None)
+    if heads < 1 or width % (3 * heads) or (isinstance(head_dim, int) and width != 3 * heads * head_dim):
+        raise ValueError(f"attention {path!r}: fused projection {fused!r} has {width} outputs, not 3 x {heads} "
+                         f"heads x head_dim (head_dim {head_dim}; cross-attention or a custom layout): declare "
+                         "its units or plan at level='block'")
     for extra in ("q_attn", "gate"):
         if isinstance(getattr(attn, extra, None), nn.Module):
             raise ValueError(f"attention {path!r} has a {extra!r} projection the planner cannot slice by head; "
@@ -275,13 +238,13 @@ def _fused_attention_group(attn: nn.Module, path: str) -> UnitGroup:
         raise ValueError(f"attention {path!r} normalises across heads ({type(attn.norm).__name__}); a head "
                          "cannot be removed without changing the others: plan it at block level")
     e, d = width // 3, width // 3 // heads
-    fused_dim = 1 if gpt2 else 0  # Conv1D weight is [in, out]: outputs are columns
+    fused_dim = 1 if transposed else 0  # Conv1D weight is [in, out]: outputs are columns
     members = []
     for offset in (0, e, 2 * e):
         members.append(Member(_join(path, fused, "weight"), fused_dim, d, offset=offset))
         if getattr(attn, fused).bias is not None:
             members.append(Member(_join(path, fused, "bias"), 0, d, offset=offset))
-    members.append(Member(_join(path, out, "weight"), 0 if gpt2 else 1, d))
+    members.append(Member(_join(path, out, "weight"), 0 if transposed else 1, d))
     return UnitGroup("head", path, heads, members=members, consumers=[_join(path, out)])
 
 
@@ -355,18 +318,20 @@ def find_neuron_groups(model: nn.Module, neuron_groups=None) -> list[UnitGroup]:
             groups.append(_pair_group(model, "neuron", path, [_join(path, "fc1")], [_join(path, "fc2")]))
         elif isinstance(m, nn.TransformerEncoderLayer):
             groups.append(_pair_group(model, "neuron", path, [_join(path, "linear1")], [_join(path, "linear2")]))
-        elif (_is_bottleneck(m) or _is_basic_block(m)) and is_pre_activation(m):
+        elif (is_bottleneck(m) or is_basic_block(m)) and is_pre_activation(m):
             raise pre_activation_error(path)
-        elif _is_bottleneck(m):
+        elif is_bottleneck(m):
             groups.append(_pair_group(model, "channel", path, [_join(path, "conv2")], [_join(path, "conv3")],
                                       [_join(path, "bn2")]))
-        elif _is_basic_block(m):
+        elif is_basic_block(m):
             groups.append(_pair_group(model, "channel", path, [_join(path, "conv1")], [_join(path, "conv2")],
                                       [_join(path, "bn1")]))
         elif _is_fused_attention(m):
             groups.append(_fused_attention_group(m, path))
         elif _is_conv1d_mlp(m):
             groups.append(_conv1d_mlp_group(m, path))
+        elif _is_linear_mlp(m):
+            groups.append(_pair_group(model, "neuron", path, [_join(path, "c_fc")], [_join(path, "c_proj")]))
         elif _is_plain_stack(m):
             groups += _plain_stack_groups(m, path, model)
         else:

@@ -1,0 +1,140 @@
+"""Block groups: residual blocks found in a model or declared by the user (DESIGN.md §8).
+
+A block is one unit holding every parameter of the block except those of a shortcut
+projection (residual.py traces which those are): skipping it is the identity on its input,
+or its projected input (with the ReLU a post-activation ResNet applies after the sum).
+
+Recognised without help: ResNet basic/bottleneck-shaped blocks, transformer layers known
+by their structure (*DecoderLayer, GPT2Block, timm ViT Block, nn.TransformerEncoderLayer,
+ResidualMLPBlock), and any child of an nn.ModuleList or nn.Sequential that traces as a
+residual block (a chain of residual adds carries its input to its output: nanoGPT-style
+GPT blocks, pre- or post-LN, parallel attention + MLP, custom residual blocks).
+A declared module must be such a block; one with no residual add around it is refused
+by name, with the enclosing block to declare instead.
+"""
+from __future__ import annotations
+
+import torch.nn as nn
+
+from .residual import ResidualError, skip_path, trace_skip_path
+from .units import UnitGroup, _join, is_basic_block, is_bottleneck, is_decoder_layer, is_vit_block
+
+
+def _known_identity_block(m: nn.Module) -> bool:
+    """Transformer and residual-MLP layers whose skip path is their input (by structure)."""
+    return is_decoder_layer(m) or isinstance(m, nn.TransformerEncoderLayer) or is_vit_block(m) \
+        or type(m).__name__ in ("ResidualMLPBlock", "GPT2Block")
+
+
+def is_recognised_block(m: nn.Module) -> bool:
+    """Residual blocks the planner knows by their structure (without tracing)."""
+    return is_basic_block(m) or is_bottleneck(m) or _known_identity_block(m)
+
+
+def _traces_as_block(m: nn.Module) -> bool:
+    """True when `m` traces as a residual block with parameters outside its skip path."""
+    if not any(True for _ in m.parameters()):
+        return False
+    try:
+        path = trace_skip_path(m)
+    except ResidualError:
+        return False
+    return any(n.split(".")[0] not in path.modules for n, _ in m.named_parameters())
+
+
+def _found_block(m: nn.Module, in_container: bool) -> bool:
+    """Whether find_blocks takes `m` as a block without a declaration. A ResNet-shaped module
+    that traces without a residual add is not one (a stem, say); one torch.fx cannot trace
+    is, with its shortcut found by name."""
+    if _known_identity_block(m):
+        return True
+    if is_basic_block(m) or is_bottleneck(m):
+        try:
+            trace_skip_path(m)
+            return True
+        except ResidualError as e:
+            return e.untraceable
+    return in_container and _traces_as_block(m)
+
+
+def _enclosing_block(model: nn.Module, path: str) -> str | None:
+    """The nearest module above `path` that traces as a residual block, or None."""
+    while path:
+        path = path.rpartition(".")[0]
+        m = model.get_submodule(path)
+        if is_recognised_block(m) or _traces_as_block(m):
+            return path
+    return None
+
+
+def _refusal(model: nn.Module, path: str, block: nn.Module, why: ResidualError) -> ValueError:
+    kind = f"block {path!r} ({type(block).__name__})"
+    if why.untraceable:
+        return ValueError(f"{kind}: {why}. The planner traces a block to know what skipping it computes and will "
+                          "not guess. Make the block's own forward traceable by torch.fx (no data-dependent "
+                          "control flow in it; its children may do anything), "
+                          "declare a traceable block around it, or plan at level='neuron'.")
+    outer = _enclosing_block(model, path)
+    fix = f"declare the enclosing residual block {outer!r} instead" if outer is not None else \
+        "declare the enclosing residual block (the module whose forward adds this one's output to its input)"
+    return ValueError(f"{kind} is not a residual block: {why}. A rank that does not own it would compute a "
+                      f"different function; {fix}.")
+
+
+def _block_skip(model: nn.Module, path: str, block: nn.Module) -> tuple[str, tuple]:
+    """(skip mode, top-level children the skip path runs) of a block; see residual.py.
+
+    Known transformer and residual-MLP layers pass their input through unchanged. Any other
+    block is traced; a ResNet-shaped block that torch.fx cannot trace falls back to its
+    shortcut's name with a ReLU after the sum (torchvision's convention)."""
+    if _known_identity_block(block):
+        return "identity", ()
+    try:
+        found = skip_path(block) if is_basic_block(block) or is_bottleneck(block) else trace_skip_path(block)
+    except ResidualError as e:
+        raise _refusal(model, path, block, e) from None
+    return found.mode, found.modules
+
+
+def _block_group(model: nn.Module, path: str) -> UnitGroup:
+    block = model.get_submodule(path)
+    skip, shortcut_children = _block_skip(model, path, block)
+
+    def in_unit(n: str) -> bool:  # the skip path's children are shared: every rank runs them
+        return n.split(".")[0] not in shortcut_children
+
+    params, buffers = [], []
+    for n, _ in block.named_parameters():
+        if in_unit(n):
+            params.append(_join(path, n))
+    for n, b in block.named_buffers():
+        owner_path, _, leaf = n.rpartition(".")
+        owner = block.get_submodule(owner_path) if owner_path else block
+        if leaf in owner._non_persistent_buffers_set:
+            continue
+        if in_unit(n):
+            buffers.append(_join(path, n))
+    if not params:
+        raise ValueError(f"block {path!r} has no parameters outside its skip path {shortcut_children}; "
+                         "it cannot be a unit")
+    return UnitGroup("block", path, 1, params=params, buffers=buffers, skip=skip)
+
+
+def find_blocks(model: nn.Module, blocks=None) -> list[UnitGroup]:
+    """Block groups, in model order. `blocks`: module paths declared by the user."""
+    if blocks is not None:
+        names = dict(model.named_modules())
+        for b in blocks:
+            if b not in names or b == "":
+                raise ValueError(f"declared block {b!r} is not a submodule path of the model "
+                                 f"(see model.named_modules())")
+        return [_block_group(model, b) for b in blocks]
+    containers = {p for p, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.Sequential))}
+    found, taken = [], []
+    for path, m in model.named_modules():
+        if not path or any(path.startswith(t + ".") for t in taken):
+            continue  # a block inside a block: the outer one is the unit
+        if _found_block(m, path.rpartition(".")[0] in containers):
+            found.append(_block_group(model, path))
+            taken.append(path)
+    return found

@@ -5,11 +5,11 @@
 - stochastic depth: the full model with its branches scaled by the survival probability
   (the paper's rule, "full") and without ("full_unscaled").
 - SDP: the assembled union ("full"); the union with each block's residual branches scaled
-  by its owner fraction c_u/K ("full_scaled", block level: stochastic depth's rule); each
-  rank's subnetwork cut from the assembled state ("subnetworks", one loss per rank; in the
-  forward regime what the rank trained, in the backward regime the full model with the
-  blocks or neurons the rank does not own removed); and their ensemble ("ensemble": the
-  mean of the subnetworks' logits).
+  by its owner fraction c_u/K ("full_scaled", block level: stochastic depth's rule, placed in
+  the weights by engine/residual_scale.py); each rank's subnetwork cut from the assembled
+  state ("subnetworks", one loss per rank; in the forward regime what the rank trained, in
+  the backward regime the full model with the blocks or neurons the rank does not own
+  removed); and their ensemble ("ensemble": the mean of the subnetworks' logits).
 """
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 
 from subnet_ext.cli.methods import eval_mode
-from subnet_ext.cli.stochastic_depth import residual_branches
 from subnet_ext.cli.tasks import logits_of
+from subnet_ext.engine.evaluation import full_model
+from subnet_ext.engine.residual_scale import scale_full_state
 
 
 def _all_sum(values: list[float], device) -> list[float]:
@@ -54,27 +55,6 @@ def sharded_metrics(model, task, batches: list, device, pad: bool = False) -> tu
         _sums(model, task, batches[:1], device)
     loss, correct, count = _all_sum(sums, device)
     return loss / count, correct / count
-
-
-def branch_scaling_hooks(model: torch.nn.Module, factors: dict[str, float]) -> list:
-    """Multiply each listed block's residual branch outputs by its factor ({block path: f}); returns
-    the hook handles (remove them to undo). Raises ValueError for a block whose branches are unknown."""
-    branches = residual_branches(model)
-    handles = []
-    for path, factor in factors.items():
-        if path not in branches:
-            raise ValueError(f"branch scaling: {path!r} is not a block with known residual branches "
-                             f"(known: {sorted(branches)})")
-        for child in branches[path]:
-            handles.append(model.get_submodule(path).get_submodule(child).register_forward_hook(
-                lambda m, a, out, f=factor: out * f))
-    return handles
-
-
-def owner_fractions(plan) -> dict[str, float]:
-    """{block path: owners / K} for the plan's block units (empty at neuron level)."""
-    return {u.group: int(plan.owner_count[i]) / plan.world_size
-            for i, u in enumerate(plan.units) if u.kind == "block"}
 
 
 def subnetwork_of(full: torch.nn.Module, plan, rank: int) -> torch.nn.Module:
@@ -121,17 +101,13 @@ def evaluate_method(kind: str, method, task, batches: list, device, stochastic=N
             finally:
                 stochastic.scale_at_eval = True
         return _as_metrics(out)
-    plan = method.plan
-    full = method.sdp.full_model()  # collective: the assembled union of the subnetworks
+    plan, sdp = method.plan, method.sdp
+    state = sdp.full_state_dict()  # collective: the assembled union of the subnetworks
+    full = full_model(sdp._skeleton, plan, state)
     out = {"full": sharded_metrics(full, task, batches, device)}
-    fractions = owner_fractions(plan)
-    if fractions:
-        handles = branch_scaling_hooks(full, fractions)
-        try:
-            out["full_scaled"] = sharded_metrics(full, task, batches, device)
-        finally:
-            for h in handles:
-                h.remove()
+    if plan.level == "block":  # stochastic depth's rule in the weights (engine/residual_scale.py)
+        scaled = full_model(sdp._skeleton, plan, scale_full_state(state, plan, sdp._skeleton, "owner_fraction"))
+        out["full_scaled"] = sharded_metrics(scaled, task, batches, device)
     sub = subnetwork_of(full, plan, dist.get_rank())
     subnetworks, out["ensemble"] = subnetworks_and_ensemble(sub, task, batches, device)
     metrics = _as_metrics(out)

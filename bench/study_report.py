@@ -125,6 +125,9 @@ def setup_section(res: Results, record: dict) -> str:
              f"- Machine: {start.get('cpu')}, {start.get('cores')} cores, {start.get('platform')}; Python "
              f"{start.get('python')}, torch {start.get('torch')}; load average at start {start.get('load_average')}, "
              f"at end {end.get('load_average')} (other work on the machine slows the wall-time protocol).",
+             f"- CPU time of the configurations (every rank's process time, summed): "
+             f"{res.cpu_seconds() / 60:.1f} core-minutes; on an otherwise idle machine the study's wall time is "
+             f"about that over the number of cores, plus about 10 s per launch.",
              f"- Seeds: {record.get('seeds')}; every table gives mean ± sample std over them and the paired "
              "difference to DDP (per seed, the run minus DDP of that seed)."]
     for task, sizes in profile.get("tasks", {}).items():

@@ -55,6 +55,10 @@ class Results:
             if name not in self.order[(task, k)]:
                 self.order[(task, k)].append(name)
 
+    def cpu_seconds(self) -> float:
+        """Process time of every rank over every configuration (0 for results that lack it)."""
+        return sum(x.get("cpu_seconds", 0.0) for r in self.runs.values() for x in r["per_rank"])
+
     def tasks(self) -> list[str]:
         """Tasks with results, in the study's order (pysrc first)."""
         found = {t for t, *_ in self.runs}

@@ -65,18 +65,22 @@ def test_draws_are_reproducible_per_rank_and_keep_the_survival_rate():
 def test_refuses_bad_probabilities_and_unknown_blocks():
     with pytest.raises(ValueError, match=r"\[0, 1\)"):
         StochasticDepth(_gpt(), drop=1.0, seed=0, rank=0)
-    with pytest.raises(ValueError, match="no residual block"):
+    with pytest.raises(ValueError, match="block layer1.0 computes shortcut_relu on its skip path"):
         StochasticDepth(build_model("resnet", num_classes=10, in_channels=1), drop=0.5, seed=0, rank=0)
+    with pytest.raises(ValueError, match="no residual block"):
+        StochasticDepth(torch.nn.Sequential(torch.nn.Linear(2, 2)), drop=0.5, seed=0, rank=0)
     with pytest.raises(ValueError, match="applies to --method ddp"):
         training_args(method="sdp", stochastic_depth=0.5)
     with pytest.raises(ValueError, match="drop probability"):
         training_args(method="ddp", stochastic_depth=-0.1)
 
 
-def test_branches_known_for_the_projects_transformer_and_mlp_blocks():
+def test_branches_traced_for_the_projects_transformer_and_mlp_blocks():
     assert residual_branches(_gpt()) == {"transformer.h.0": ("attn", "mlp"), "transformer.h.1": ("attn", "mlp")}
     mlp = build_model("mlp", in_features=8, num_classes=3)
-    assert set(residual_branches(mlp)) == {f"blocks.{i}" for i in range(4)}
+    assert residual_branches(mlp) == {f"blocks.{i}": ("fc2",) for i in range(4)}
+    llama = build_model("llama")
+    assert set(residual_branches(llama).values()) == {("self_attn", "mlp")}
 
 
 def _ddp_worker(rank, world, drop):

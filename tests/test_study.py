@@ -24,7 +24,7 @@ from study_plots import pareto_front  # noqa: E402
 from study_results import Results, paired, significant  # noqa: E402
 from study_runs import PROFILES, jobs, result_path  # noqa: E402
 
-TASKS = ("digits",)
+TASKS = ("pysrc", "digits")
 WORLDS = (4,)  # the K = 2 launch runs the same code (one more launch would double the test's cost)
 PROFILE = PROFILES["tiny"]
 SEEDS = list(range(PROFILE["seeds"]))

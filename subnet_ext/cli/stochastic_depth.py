@@ -15,9 +15,9 @@ Evaluation (the model in eval mode): every block runs, and each residual branch'
 is multiplied by p, the paper's test-time rule ("H = ReLU(p f(H) + id(H))"), so the
 expected size of the residual updates matches training's.
 
-Residual branches are known by block type: GPT `Block`/`ParallelBlock` (attn, mlp),
-LLaMA decoder layers (self_attn, mlp), residual-MLP blocks (fc2): blocks whose skip path
-is the identity. ResNet blocks (a shortcut projection on the skip path) are refused.
+The blocks are those SDP's planner finds, their branches the traced residual adds'
+other operands (GPT: attn and mlp; LLaMA: self_attn and mlp; residual MLP: fc2). Blocks
+whose skip path is not their input (ResNet's projection or ReLU after the sum) are refused.
 """
 from __future__ import annotations
 
@@ -30,15 +30,30 @@ from .checkpointing import stream_seed
 
 
 def residual_branches(model: nn.Module) -> dict[str, tuple[str, ...]]:
-    """{block path: (child names whose outputs are the block's residual branches)} for the block
-    types of the module docstring, in model order. Empty when the model has none."""
-    from ..models.gpt import Block, ParallelBlock
-    from ..models.llama import LlamaDecoderLayer
-    from ..models.residual_mlp import ResidualMLPBlock
+    """{block path: (child names whose outputs are the block's residual branches)}, in model
+    order: the blocks the SDP planner finds (planning/blocks.py) and their traced residual
+    adds (planning/residual.py). Empty when the model has none.
 
-    kinds = {Block: ("attn", "mlp"), ParallelBlock: ("attn", "mlp"), LlamaDecoderLayer: ("self_attn", "mlp"),
-             ResidualMLPBlock: ("fc2",)}
-    return {name: kinds[type(m)] for name, m in model.named_modules() if type(m) in kinds}
+    Raises:
+        ValueError: a block whose skip path is not its input (a shortcut projection or a ReLU
+            after the sum: dropping it would not be the identity), or a branch that is not
+            one child's output (its scale has no module to act on).
+    """
+    from ..planning.blocks import find_blocks
+    from ..planning.residual import trace_skip_path
+
+    out = {}
+    for group in find_blocks(model):
+        path = trace_skip_path(model.get_submodule(group.path))
+        if path.mode != "identity":
+            raise ValueError(f"stochastic depth: block {group.path} computes {path.mode} on its skip path, so "
+                             "dropping it is not the identity; only blocks whose skip path is their input are "
+                             "supported")
+        if None in path.branches:
+            raise ValueError(f"stochastic depth: a residual branch of {group.path} is not one child module's "
+                             f"output (found {path.branches})")
+        out[group.path] = path.branches
+    return out
 
 
 def _stochastic_forward(self, *args, **kwargs):
@@ -80,8 +95,8 @@ class StochasticDepth:
             raise ValueError(f"stochastic depth: the drop probability must be in [0, 1), got {drop}")
         branches = residual_branches(model)
         if not branches:
-            raise ValueError(f"stochastic depth: {type(model).__name__} has no residual block whose branches are known "
-                             "(GPT, LLaMA or residual-MLP blocks); ResNet blocks with a shortcut are not supported")
+            raise ValueError(f"stochastic depth: {type(model).__name__} has no residual block the planner finds; "
+                             "declare blocks to SDP's planner or use a model with residual blocks")
         self.drop, self.survival, self.seed, self.rank = drop, 1.0 - drop, seed, rank
         self.blocks = list(branches)
         self.step = 0

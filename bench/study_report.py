@@ -142,10 +142,20 @@ def setup_section(res: Results, record: dict) -> str:
                       f"characters, vocabulary {d['vocab_size']} (bytes 0-127), {d['skipped_non_ascii_files']} "
                       f"non-ASCII files skipped, SHA-256 {d['sha256'][:16]}…; held out: {sizes['eval_sequences']} "
                       f"windows of {sizes['seq_len']} characters evenly spaced over the validation files")
-            model = f"GPT `{sizes['preset']}` preset (subnet_ext/models/gpt.py)"
+            from subnet_ext.models.gpt import GPT_PRESETS
+
+            cfg = GPT_PRESETS[sizes["preset"]]
+            model = (f"GPT `{sizes['preset']}` preset (subnet_ext/models/gpt.py: {cfg.n_layer} pre-LN blocks x "
+                     f"{cfg.n_embd}, {cfg.n_head} heads, context {cfg.block_size}, tied embedding, "
+                     f"{cfg.num_parameters() / 1e6:.2f} M parameters)")
         else:
             corpus = "scikit-learn's bundled digits (1,437 training / 360 test images, stratified split)"
-            model = "residual MLP (width 128, 4 blocks)"
+            from subnet_ext.models import build_model
+
+            mlp = build_model("mlp", in_features=64, num_classes=10)
+            model = (f"residual MLP (width {mlp.stem.out_features}, {len(mlp.blocks)} pre-LN blocks with hidden "
+                     f"width {mlp.blocks[0].fc1.out_features}, {sum(p.numel() for p in mlp.parameters()) / 1e6:.2f} M "
+                     "parameters)")
         chars = f" x {sizes['seq_len']} characters" if task == "pysrc" else ""
         lines.append(f"- **{task}**: {model}; {corpus}. Batch {sizes['batch_size']} per rank{chars}, {sizes['steps']} steps, "
                      f"AdamW lr {sizes['lr']} (linear warmup {sizes['warmup_steps']} steps, then constant), weight "

@@ -120,3 +120,54 @@ def test_refusals_name_the_problem():
     holder = nn.Sequential(Block())
     with pytest.raises(ValueError, match=r"\['0.branch.act'\] come after its last parameterised module 0.branch.fc"):
         branch_ends(holder, "0")
+
+
+def _mlp_by_hand(model, x, factors):
+    h = model.stem(x)
+    for block, f in zip(model.blocks, factors):
+        h = h + f * block.fc2(block.act(block.fc1(block.norm(h))))
+    return model.head(model.norm(h))
+
+
+def _engine_worker(rank, world):
+    import torch.nn.functional as F
+
+    from sdp_helpers import batch
+
+    out = {}
+    torch.manual_seed(0)
+    mlp = build_model("mlp", in_features=12, num_classes=5, width=16)
+    sdp = sx.SubnetDataParallel(mlp, sx.plan_subnetworks(mlp, world, 0.5, "block"), regime="forward")
+    opt = torch.optim.AdamW(sdp.parameters(), lr=0.05)
+    for step in range(2):
+        x, y = batch(rank, step)
+        F.cross_entropy(sdp(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    x, _ = batch(0, 99)
+    plain = build_model("mlp", in_features=12, num_classes=5, width=16)
+    plain.load_state_dict(sdp.full_state_dict())
+    scaled = build_model("mlp", in_features=12, num_classes=5, width=16)
+    scaled.load_state_dict(sdp.full_state_dict(residual_scale="owner_fraction"))  # the original class takes it
+    with torch.no_grad():
+        expected = _mlp_by_hand(plain.eval(), x, [0.5] * 4)
+        out["state"] = (scaled.eval()(x) - expected).abs().max().item()
+        out["model"] = (sdp.full_model(residual_scale="owner_fraction").eval()(x) - expected).abs().max().item()
+        out["evaluate"] = (sdp.evaluate(x, modes=("full",), residual_scale="owner_fraction")["full"]
+                           - expected).abs().max().item()
+        out["unscaled"] = (sdp.evaluate(x, modes=("full",))["full"] - plain(x)).abs().max().item()
+        out["differs"] = (expected - plain(x)).abs().max().item()
+    try:
+        sdp.full_state_dict(residual_scale="half")
+    except ValueError as e:
+        out["error"] = str(e)
+    return out
+
+
+def test_engine_options_scale_the_assembled_model():
+    from subnet_ext.testing import run_distributed
+
+    for r in run_distributed(_engine_worker, 2):
+        assert r["differs"] > 1e-3, "the scaling changed nothing: the test would pass without it"
+        assert r["state"] < 1e-5 and r["model"] < 1e-5 and r["evaluate"] < 1e-5 and r["unscaled"] < 1e-5, r
+        assert "residual_scale must be one of" in r["error"]

@@ -48,6 +48,7 @@ from ..planning.plan import SubnetPlan, model_fingerprint
 from ..state.aliases import with_aliases, without_aliases
 from ..state.assembly import assemble, load_pieces
 from ..state.layout import RankLayout
+from .residual_scale import check_residual_scale, scale_full_state
 from .restore import meta_skeleton, restore_structure
 from .setup import REGIMES, SCALES, check_arguments, weak_call, world_and_rank  # noqa: F401
 from .sharding import SharedShards
@@ -236,14 +237,18 @@ class SubnetDataParallel(nn.Module):
         self._check_open("parameters")
         return iter(self._trainable)
 
-    def full_state_dict(self) -> dict:
+    def full_state_dict(self, residual_scale=None) -> dict:
         """The whole model's state dict (original names and shapes), identical on every rank.
+        residual_scale="owner_fraction" (block level) scales each block's residual branches by
+        owners / K in the weights, stochastic depth's test-time rule (see residual_scale.py).
 
         Collective: every rank must call it."""
         self._check_open("full_state_dict")
         self._refuse_if_simulated("full_state_dict")
-        return with_aliases(self.plan, assemble(self.layout, reduce=True, process_group=self.process_group,
+        check_residual_scale(residual_scale)
+        full = with_aliases(self.plan, assemble(self.layout, reduce=True, process_group=self.process_group,
                                                 timeout=self.timeout))
+        return scale_full_state(full, self.plan, self._skeleton, residual_scale)
 
     def local_full_state_dict(self) -> dict:
         """This rank's values in the original names and shapes, NaN where it holds nothing."""
@@ -291,24 +296,27 @@ class SubnetDataParallel(nn.Module):
         gradients' norm (local SGD). See clipping.py."""
         return clipping.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite, foreach)
 
-    def full_model(self) -> nn.Module:
-        """A new, unmasked model holding the assembled full state, ties kept (collective)."""
+    def full_model(self, residual_scale=None) -> nn.Module:
+        """A new, unmasked model holding the assembled full state, ties kept (collective);
+        residual_scale as full_state_dict's."""
         self._check_open("full_model")
-        return evaluation.full_model(self._skeleton, self.plan, self.full_state_dict())
+        return evaluation.full_model(self._skeleton, self.plan, self.full_state_dict(residual_scale))
 
     @torch.no_grad()
-    def evaluate(self, *inputs, modes=("full", "ensemble")) -> dict:
-        """{"full": the union of subnetworks' output, "ensemble": mean of the ranks' subnetwork
-        outputs (one all-reduce)}, each float32 [*, out]. Collective; runs in eval mode and
-        restores the mode."""
+    def evaluate(self, *inputs, modes=("full", "ensemble"), residual_scale=None) -> dict:
+        """{"full": the union of subnetworks' output (residual_scale as full_state_dict's),
+        "ensemble": mean of the ranks' subnetwork outputs (one all-reduce)}, each float32
+        [*, out]. Collective; runs in eval mode and restores the mode."""
         self._check_open("evaluate")
+        check_residual_scale(residual_scale)
         bad = [m for m in modes if m not in ("full", "ensemble")]
         if bad:
             raise ValueError(f"evaluate modes must be 'full' and/or 'ensemble', got {bad}")
         if "full" in modes:
             self._refuse_if_simulated("evaluate(modes=('full', ...))")
         communicate = self.world_size > 1 and not self.simulated  # simulated: its own subnetwork alone
-        out = evaluation.evaluate(self.module, self._skeleton, self.plan, inputs, modes, self.full_state_dict,
+        out = evaluation.evaluate(self.module, self._skeleton, self.plan, inputs, modes,
+                                  lambda: self.full_state_dict(residual_scale),
                                   mean_over=(communicate, self.process_group, self.world_size, self.timeout))
         if self.shared_shards is not None:
             self.shared_shards.module.reshard()  # the no-grad forward left them gathered

@@ -2,9 +2,9 @@
 (study_results.py), so a reader can check each against a table. What numbers cannot
 settle is listed apart, for a person to judge.
 
-Rules: a difference is "significant" when its paired mean is more than twice its standard
-error over seeds (study_results.significant); otherwise the runs are "indistinguishable"
-at this number of seeds. Memory is the worst rank's model state plus saved activations.
+Rules: a difference is "significant" when a paired t-test over seeds rejects zero at the 5%
+level (study_results.significant); otherwise the runs are "indistinguishable" at this
+number of seeds. Memory is the worst rank's model state plus saved activations.
 An SDP run "wins" (W) against a baseline when it needs less memory per rank and its loss
 is not significantly worse; it "loses" (L) when the baseline needs no more memory and is
 significantly better.

@@ -199,7 +199,8 @@ def test_means_paired_differences_and_the_pareto_front(tmp_path):
     assert s["delta"] == pytest.approx(sum(diffs) / 3) and s["delta_std"] == pytest.approx(statistics.stdev(diffs))
     m, sd, n = paired(res, "pysrc", 4, ("sdp-block-forward-c0.5", "full"), ("ddp", "full"))
     assert (m, n) == (pytest.approx(s["delta"]), 3)
-    assert significant(m, sd, n) == (abs(m) > 2 * sd / math.sqrt(3))
+    assert significant(m, sd, n) == (abs(m) > 4.302652729911275 * sd / math.sqrt(3))  # t(0.975, 2 dof)
+    assert significant(1.0, 0.1, 3) and not significant(0.1, 0.1, 3)
     assert not significant(0.1, float("nan"), 1)
     points = [(1.0, 3.0, "a"), (2.0, 2.0, "b"), (2.5, 2.5, "c"), (3.0, 1.0, "d"), (3.0, 1.5, "e")]
     assert [p[2] for p in pareto_front(points)] == ["a", "b", "d"]

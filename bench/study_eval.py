@@ -86,15 +86,16 @@ def subnetworks_and_ensemble(sub, task, batches, device) -> tuple[list[tuple], t
     return [(s[0] / s[2], s[1] / s[2]) for s in gathered], (ens[0] / ens[2], ens[1] / ens[2])
 
 
-def evaluate_method(kind: str, method, task, batches: list, device, stochastic=None) -> dict:
+def evaluate_method(kind: str, method, task, batches: list, device, stochastic=None, every_model=True) -> dict:
     """{"loss": {mode: value}, "accuracy": {mode: value}} of the run's models, plus for SDP
     "subnetworks": {"loss": [per rank], "accuracy": [per rank]}; collective.
-    kind: "ddp", "fsdp" or "sdp"; stochastic: the run's StochasticDepth, if any."""
+    kind: "ddp", "fsdp" or "sdp"; stochastic: the run's StochasticDepth, if any;
+    every_model False: the full model only (the curves' points between the protocols' marks)."""
     if kind == "fsdp":
         return _as_metrics({"full": sharded_metrics(method.module, task, batches, device, pad=True)})
     if kind == "ddp":
         out = {"full": sharded_metrics(method.module, task, batches, device)}
-        if stochastic is not None:
+        if stochastic is not None and every_model:
             stochastic.scale_at_eval = False
             try:
                 out["full_unscaled"] = sharded_metrics(method.module, task, batches, device)
@@ -105,6 +106,8 @@ def evaluate_method(kind: str, method, task, batches: list, device, stochastic=N
     state = sdp.full_state_dict()  # collective: the assembled union of the subnetworks
     full = full_model(sdp._skeleton, plan, state)
     out = {"full": sharded_metrics(full, task, batches, device)}
+    if not every_model:
+        return _as_metrics(out)
     if plan.level == "block":  # stochastic depth's rule in the weights (engine/residual_scale.py)
         scaled = full_model(sdp._skeleton, plan, scale_full_state(state, plan, sdp._skeleton, "owner_fraction"))
         out["full_scaled"] = sharded_metrics(scaled, task, batches, device)

@@ -95,7 +95,9 @@ def cost_table(res: Results, task: str, k: int) -> str:
     lines.append("")
     lines.append("Memory: the worst rank's bytes, counted exactly (parameters, gradients and optimizer state as "
                  "held; activations: the bytes of tensors autograd saved for backward, over every step, max and "
-                 "mean). Final phases report their own phase. Peak RSS: the process's high-water mark over that "
+                 "mean). Final phases report their own phase. FSDP2 also gathers a block's full parameters (in "
+                 "backward, and its full gradients) while that block runs: transient, one or two blocks at a time, "
+                 "not in its model state. Peak RSS: the process's high-water mark over that "
                  "configuration (Linux VmHWM, reset per configuration; it includes torch's own footprint). "
                  "Communication: bytes handed to collectives per step (" + "; ".join(sources) + "). FLOPs: counted "
                  "by torch's FlopCounterMode over a real step, summed over ranks.")
@@ -159,7 +161,9 @@ def setup_section(res: Results, record: dict) -> str:
         chars = f" x {sizes['seq_len']} characters" if task == "pysrc" else ""
         lines.append(f"- **{task}**: {model}; {corpus}. Batch {sizes['batch_size']} per rank{chars}, {sizes['steps']} steps, "
                      f"AdamW lr {sizes['lr']} (linear warmup {sizes['warmup_steps']} steps, then constant), weight "
-                     f"decay {sizes['weight_decay']}; evaluated every {sizes['eval_every']} steps.")
+                     f"decay {sizes['weight_decay']}; the full model evaluated every {sizes['eval_every']} steps (every "
+                     f"{2 * sizes['eval_every']} past {sizes['steps']}), every model a user could keep at each "
+                     "protocol's mark.")
     lines += ["- Protocols (bench/study_runs.py): the learning rate is constant after warmup, so a run's loss at step "
               "s is what a run of s steps reaches. Every run continues until it has taken the steps, spent the FLOPs "
               "and the training seconds of the DDP run of its seed and world size. *Equal iterations*: the loss at "

@@ -33,7 +33,7 @@ PROFILES = {
     "full": dict(seeds=3, phase_fraction=0.1, time_check_every=5, timeout=900.0, tasks={
         "pysrc": dict(model="gpt", preset="small", data="pysrc", seq_len=128, batch_size=4, steps=300, eval_every=50,
                       eval_sequences=64, lr=2e-3, weight_decay=0.0, warmup_steps=30),
-        "digits": dict(_DIGITS, steps=400, eval_every=50, warmup_steps=20)}),
+        "digits": dict(_DIGITS, steps=200, eval_every=25, warmup_steps=10)}),
     "quick": dict(seeds=2, phase_fraction=0.2, time_check_every=5, timeout=600.0, tasks={
         "pysrc": dict(model="gpt", preset="small", data="pysrc", seq_len=64, batch_size=4, steps=60, eval_every=20,
                       eval_sequences=32, lr=2e-3, weight_decay=0.0, warmup_steps=6),

@@ -142,7 +142,9 @@ class Run:
     def evaluate(self, marks: list[str], batches: list) -> dict:
         """Evaluate every model of the run (collective) and append the point to the curve."""
         kind = self.cfg["method"]
-        losses = evaluate_method(kind, self.method, self.task, batches, self.device, self.stochastic)
+        # Every model a user could keep at the protocols' marks; the full model alone elsewhere (the curves).
+        every_model = bool(set(marks) - {"start"})
+        losses = evaluate_method(kind, self.method, self.task, batches, self.device, self.stochastic, every_model)
         point = {"step": self.step, "tokens": self.step * self.world * self.sizes["batch_size"]
                  * self.sizes["seq_len"], "flops": self.flops, "seconds": self.global_seconds(),
                  "marks": marks, **losses}
@@ -263,7 +265,8 @@ def _train(cfg, profile, device, task, reference, base, batches, branch_at):
             if run.step >= TIME_EXTENSION * others_done_at:  # the time mark is not reached: say so
                 marks.append("seconds_not_reached")
                 pending.clear()
-        if marks or run.step % every == 0 or not pending:
+        on_grid = run.step % (every if run.step <= steps else 2 * every) == 0  # sparser past `steps`
+        if marks or on_grid or not pending:
             run.evaluate(marks + ([] if pending else ["end"]), batches)
         if run.step == branch_at:
             snapshot = {"model": run.method.full_state_dict(),

@@ -173,8 +173,8 @@ def test_forward_regime_subnetworks_are_what_each_rank_trained(study):
     out, _, _ = study
     for task in TASKS:
         for name in ("sdp-block-forward-c0.5", "sdp-neuron-forward-c0.25"):
-            for point in _load(out, task, 4, 0, name)["curve"]:
-                assert point["subnetwork_check"] < 1e-5, (task, name, point["step"])
+            checked = [p for p in _load(out, task, 4, 0, name)["curve"] if "subnetwork_check" in p]
+            assert checked and all(p["subnetwork_check"] < 1e-5 for p in checked), (task, name)
 
 
 def _fake_result(out, task, k, seed, name, loss, flops=1.0):

@@ -23,7 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the study_* modules, also in spawned ranks
 
-from study_runs import PROFILES, TASKS, jobs, result_path, world_sizes  # noqa: E402
+from study_runs import PROFILES, TASK_WORLDS, TASKS, jobs, result_path, world_sizes  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,7 +77,7 @@ def _done(out: str, cfg: dict, profile: dict) -> bool:
 def _pending(out: str, k: int, seeds: list[int], profile: dict, tasks, only=None) -> list[dict]:
     """The jobs of world size k with a missing (or other-profile) result; a job's phases rerun with it.
     only: configuration names to keep (ddp always kept: the others need its FLOPs and time)."""
-    return [j for task in tasks for j in jobs(task, seeds, k)
+    return [j for task in tasks if k in TASK_WORLDS.get(task, (k,)) for j in jobs(task, seeds, k)
             if (only is None or j["config"]["name"] in {"ddp", *only})
             and not all(_done(out, c, profile) for c in [j["config"], *j["phases"]])]
 

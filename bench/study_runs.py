@@ -11,7 +11,7 @@ Runs (K = 4 ranks unless stated, every run over each seed):
   `phase_fraction` of the steps in the backward regime at the same coverage
   ("+backward-phase") or with C = 1 ("+c1-phase"), resumed from the forward run's full
   state and optimizer state (the resume-on-another-coverage path);
-- K = 2: ddp and the four SDP variants at C = 0.5 (one owner per unit).
+- K = 2 (pysrc): ddp and the four SDP variants at C = 0.5 (one owner per unit).
 
 Protocols, from one run each: the learning rate is constant after a linear warmup, so a
 run's loss at step s is what a run of s steps reaches (same batches, same updates), and
@@ -33,7 +33,7 @@ PROFILES = {
     "full": dict(seeds=3, phase_fraction=0.1, time_check_every=5, timeout=900.0, tasks={
         "pysrc": dict(model="gpt", preset="small", data="pysrc", seq_len=128, batch_size=4, steps=300, eval_every=50,
                       eval_sequences=64, lr=2e-3, weight_decay=0.0, warmup_steps=30),
-        "digits": dict(_DIGITS, steps=200, eval_every=25, warmup_steps=10)}),
+        "digits": dict(_DIGITS, steps=150, eval_every=25, warmup_steps=10)}),
     "quick": dict(seeds=2, phase_fraction=0.2, time_check_every=5, timeout=600.0, tasks={
         "pysrc": dict(model="gpt", preset="small", data="pysrc", seq_len=64, batch_size=4, steps=60, eval_every=20,
                       eval_sequences=32, lr=2e-3, weight_decay=0.0, warmup_steps=6),
@@ -48,6 +48,7 @@ PROFILES = {
         "digits": dict(_DIGITS, steps=400, eval_every=50, warmup_steps=20)}),
 }
 TASKS = ("pysrc", "digits")
+TASK_WORLDS = {"pysrc": (4, 2), "digits": (4,)}  # digits, the second task, at the main world size only
 
 MAIN_K = 4
 COVERAGES = (0.5, 0.25)

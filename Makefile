@@ -43,16 +43,36 @@ DEMO_SEEDS ?= 5
 demo: build
 	$(PY) -m subnet_ext.cli.train compare --seeds $(DEMO_SEEDS)
 
+# Kernel microbenchmarks: builds bench/bin/ and writes bench/results/cpu.md (bench/README.md).
 bench: build
-	bash bench/build.sh
-	bash bench/run_cpu.sh
+	PY=$(PY) bash bench/build.sh
+	PY=$(PY) bash bench/run_cpu.sh
 
+# End-to-end step benchmark, two runs in interleaved rounds (bench/README.md): the rows
+# with sharded shared parameters, with a profile of one step per row, into
+# bench/results/e2e-shard-cpu.md; then the broad grid (llama tiny/small/medium, K = 2 and 4,
+# DDP, FSDP2, every SDP variant and coverage, the overlap experiment) into
+# bench/results/e2e-cpu.md.
+# ~30-35 min on 2 quiet cores (bench/README.md).
+E2E_SHARD := --models small --worlds 2,4 --coverages 2:0.5,4:0.25 --methods ddp,fsdp,sdp \
+	--sdp-variants block-forward --shard-shared also --skip-overlap --rounds 9 --profile \
+	--out bench/results/e2e-shard-cpu.md
+E2E_GRID := --out bench/results/e2e-cpu.md
 bench-e2e: build
-	$(PY) bench/e2e.py
+	$(PY) bench/e2e.py $(E2E_SHARD)
+	$(PY) bench/e2e.py $(E2E_GRID)
 
 # Long fuzzing run, outside CI: >= 10,000 examples per fuzzed surface; writes bench/results/fuzz.md.
 fuzz: build
 	SUBNET_EXT_FUZZ_EXAMPLES=$${SUBNET_EXT_FUZZ_EXAMPLES:-10000} $(PY) bench/fuzz.py
+
+# The suite against another supported torch release, in its own venv (.venv-torchX.Y, with
+# a copy of the tree built against that torch): make test-torch TORCH=2.11.0. See .ci/test-torch.
+TORCH ?=
+.PHONY: test-torch
+test-torch:
+	@test -n "$(TORCH)" || { echo "make test-torch needs a torch release: make test-torch TORCH=2.11.0" >&2; exit 2; }
+	PYTHON=$(PYTHON) bash .ci/test-torch $(TORCH)
 
 # The study, outside CI (bench/study.py): DDP, FSDP2, checkpointing, stochastic depth and SDP on the
 # Python standard library's sources and on digits, 3 seeds; writes docs/study-cpu.md and its plots

@@ -12,7 +12,7 @@ import re
 import shutil
 import sys
 
-from setuptools import find_packages, setup
+from setuptools import setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_ARCHS = "8.0;9.0"
@@ -108,11 +108,8 @@ with open(os.path.join(ROOT, "subnet_ext", "_build_info.py"), "w") as f:
         f"WITH_CUDA = {with_cuda!r}\n"
     )
 
+# Name, version, dependencies, extras and console scripts: pyproject.toml ([project]).
 setup(
-    name="subnet_ext",
-    version="0.1.0",
-    description="Subnetwork Data Parallelism for PyTorch: masked-linear and packed-averaging kernels, planner and engine",
-    packages=find_packages(include=["subnet_ext", "subnet_ext.*"]),
     ext_modules=[
         extension(
             "subnet_ext._C",
@@ -123,14 +120,4 @@ setup(
         )
     ],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
-    python_requires=">=3.10",
-    install_requires=["torch", "numpy", "tqdm", "matplotlib", "scikit-learn"],
-    # `--model hf:DIR` (subnet_ext/models/hf.py) imports transformers only when asked.
-    extras_require={"hf": ["transformers", "safetensors"]},
-    entry_points={
-        "console_scripts": [
-            "subnet-train=subnet_ext.cli.train:main",
-            "subnet-plan=subnet_ext.cli.plan:main",
-        ]
-    },
 )

@@ -2,28 +2,32 @@
 // rounds, medians. Needs only the CUDA runtime and c10's stream (no cuBLAS headers).
 #pragma once
 
+#include <ATen/Context.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdio>
-#include <cstdlib>
 #include <functional>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 namespace bench {
 
+// Throws (run_benchmark turns it into exit 1) when a CUDA runtime call failed.
 inline void cuda_check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
-    std::exit(2);
-  }
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+// Throws unless a GPU is visible: a CUDA benchmark without one measured nothing (exit 1).
+inline void require_cuda(const char* name) {
+  if (!at::hasCUDA()) throw std::runtime_error(std::string(name) + " needs a GPU: no CUDA device visible");
 }
 
 // Median device time in milliseconds of each fn (which enqueues work on the current
 // stream), measured in interleaved rounds so that clock and thermal drift hit all alike.
 inline std::vector<double> interleaved_cuda_medians_ms(const std::vector<std::function<void()>>& fns,
-                                                       int warmup = 3, int reps = 21) {
+                                                       int warmup, int reps) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   cudaEvent_t start, stop;
   cuda_check(cudaEventCreate(&start), "cudaEventCreate");

@@ -8,17 +8,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-TORCH=${TORCH_DIR:-$($PY -c "import torch, os; print(os.path.dirname(torch.__file__))")}  # TORCH_DIR skips the import
+# torch's folder, found without importing torch (seconds saved); TORCH_DIR skips even that.
+TORCH=${TORCH_DIR:-$($PY -c "import importlib.util, os; print(os.path.dirname(importlib.util.find_spec('torch').origin))")}
 CXX=${CXX:-g++}
 FLAGS=(-O3 -std=c++20 -fopenmp -fPIC -DNDEBUG -Icsrc -Ibench -I"$TORCH/include" -I"$TORCH/include/torch/csrc/api/include")
 LIBS=(-L"$TORCH/lib" -Wl,-rpath,"$TORCH/lib" -Wl,--no-as-needed -ltorch -ltorch_cpu -lc10)
 mkdir -p bench/bin
 
-stale() {  # stale OUTPUT SOURCE...: OUTPUT is missing or older than a source or shared header
+stale() {  # stale OUTPUT SOURCE...: OUTPUT is missing or older than a source, a shared header or this script
   local out=$1; shift
   [[ -f $out ]] || return 0
   local s
-  for s in "$@" csrc/*.h csrc/cuda/*.cuh csrc/kernels/*.h bench/*.h; do [[ $s -nt $out ]] && return 0; done
+  for s in "$@" bench/build.sh csrc/*.h csrc/cuda/*.cuh csrc/kernels/*.h bench/*.h; do [[ $s -nt $out ]] && return 0; done
   return 1
 }
 
@@ -53,27 +54,34 @@ LIBDIR=$(cd "$(dirname "$LIB")" && pwd)
 objs=("$LIB")
 LIBS+=("$LIBDIR/$(basename "$LIB")" -Wl,-rpath,"$LIBDIR" -Wl,--allow-shlib-undefined -Wl,-z,lazy)
 
+# With CUDA kernels in the library, every binary links the CUDA runtime libraries too:
+# the library needs them (libc10_cuda, libcudart), and its own RUNPATH does not name their
+# folders, so a binary must load them itself (its NEEDED entries are loaded first).
+info=$($PY -c "
+from subnet_ext import _build_info as b
+print(int(b.WITH_CUDA), b.CUDA_HOME or '-')")  # a failed import stops the script (set -e)
+read -r WITH_CUDA CUDA_HOME <<< "$info"
+if [[ $WITH_CUDA == 1 ]]; then
+  LIBS+=(-ltorch_cuda -lc10_cuda -L"$CUDA_HOME/lib64" -Wl,-rpath,"$CUDA_HOME/lib64" -lcudart)
+fi
+
 for main in masked_linear_bench pack_segments_bench; do
   if stale bench/bin/$main bench/$main.cpp "${objs[@]}"; then
     echo "build bench/bin/$main"
     spawn "$CXX" "${FLAGS[@]}" bench/$main.cpp -o bench/bin/$main "${LIBS[@]}"
   fi
 done
-wait_all
 
-# CUDA binaries: only when the installed subnet_ext was built with CUDA kernels.
-read -r WITH_CUDA CUDA_HOME ARCHS < <($PY -c "
-from subnet_ext import _build_info as b
-print(int(b.WITH_CUDA), b.CUDA_HOME or '-', ','.join(b.CUDA_ARCHS) or '-')")
-if [[ $WITH_CUDA != 1 ]]; then
+# CUDA binaries: only when the installed subnet_ext was built with CUDA kernels. They need
+# the host compiler and the CUDA headers only (no device code of their own).
+if [[ $WITH_CUDA == 1 ]]; then
+  for main in masked_linear_cuda_bench pack_segments_cuda_bench; do
+    if stale bench/bin/$main bench/$main.cpp "${objs[@]}"; then
+      echo "build bench/bin/$main"
+      spawn "$CXX" "${FLAGS[@]}" -I"$CUDA_HOME/include" bench/$main.cpp -o bench/bin/$main "${LIBS[@]}"
+    fi
+  done
+else
   echo "CUDA benchmarks not built: this build of subnet_ext has no CUDA kernels"
-  exit 0
 fi
-CUDA_LIBS=(-ltorch_cuda -lc10_cuda -L"$CUDA_HOME/lib64" -Wl,-rpath,"$CUDA_HOME/lib64" -lcudart)
-for main in masked_linear_cuda_bench pack_segments_cuda_bench; do
-  if stale bench/bin/$main bench/$main.cpp "${objs[@]}"; then
-    echo "build bench/bin/$main"
-    spawn "$CXX" "${FLAGS[@]}" -I"$CUDA_HOME/include" bench/$main.cpp -o bench/bin/$main "${LIBS[@]}" "${CUDA_LIBS[@]}"
-  fi
-done
 wait_all

@@ -15,6 +15,15 @@ std::vector<int64_t> host_values(const at::Tensor& idx) {
   return std::vector<int64_t>(p, p + cpu.numel());
 }
 
+// One pass, no copy, no sort: the range check of the unchecked path on CPU.
+void check_range(const char* op, const char* name, const at::Tensor& idx, int64_t bound) {
+  const at::Tensor dense = idx.contiguous();
+  const int64_t* p = dense.const_data_ptr<int64_t>();
+  const auto [lowest, highest] = std::minmax_element(p, p + dense.numel());
+  TORCH_CHECK_VALUE(*lowest >= 0 && *highest < bound, op, ": ", name, " has values in [", *lowest, ", ", *highest,
+                    "] but must lie in [0, ", bound, ") (check_indices=False checks only this range on CPU)");
+}
+
 }  // namespace
 
 void check_index(const char* op, const char* name, const at::Tensor& idx, int64_t bound, c10::Device device,
@@ -24,7 +33,11 @@ void check_index(const char* op, const char* name, const at::Tensor& idx, int64_
   TORCH_CHECK_VALUE(idx.dim() == 1, op, ": ", name, " must be 1-D, got shape ", idx.sizes());
   TORCH_CHECK_VALUE(idx.device() == device, op, ": ", name, " is on ", idx.device(),
                     " but the operands are on ", device);
-  if (!check_values || idx.numel() == 0) return;
+  if (idx.numel() == 0) return;
+  if (!check_values) {
+    if (idx.is_cpu() && bound != kNoBound) check_range(op, name, idx, bound);
+    return;
+  }
   std::vector<int64_t> values = host_values(idx);
   std::sort(values.begin(), values.end());
   TORCH_CHECK_VALUE(values.front() >= 0 && values.back() < bound, op, ": ", name, " has values in [",

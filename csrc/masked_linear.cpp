@@ -230,9 +230,12 @@ void masked_linear_grad_weight_impl(const at::Tensor& out, const at::Tensor& gra
   const OptTensor out_idx = dense_index(out_idx_arg), in_idx = dense_index(in_idx_arg);
   TORCH_CHECK_VALUE(x.dim() >= 1 && grad_out.dim() == x.dim(), op, ": grad_out has shape ", grad_out.sizes(),
                     " but x has shape ", x.sizes());
-  TORCH_CHECK_VALUE(grad_out.scalar_type() == x.scalar_type() && out.scalar_type() == x.scalar_type(), op,
-                    ": dtypes differ: out ", out.scalar_type(), ", grad_out ", grad_out.scalar_type(), ", x ",
-                    x.scalar_type());
+  const bool half = x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16;
+  const bool mixed = half && out.scalar_type() == at::kFloat;  // half operands, fp32 gradient
+  TORCH_CHECK_VALUE(grad_out.scalar_type() == x.scalar_type() && (out.scalar_type() == x.scalar_type() || mixed),
+                    op, ": dtypes differ: out ", out.scalar_type(), ", grad_out ", grad_out.scalar_type(), ", x ",
+                    x.scalar_type(), " (grad_out and x must share a dtype; out must have it too, or be float32 "
+                    "when they are float16/bfloat16)");
   TORCH_CHECK_VALUE(grad_out.device() == x.device() && out.device() == x.device(), op, ": devices differ: out ",
                     out.device(), ", grad_out ", grad_out.device(), ", x ", x.device());
   const int64_t g_width = grad_out.size(-1);
@@ -254,7 +257,9 @@ void masked_linear_grad_weight_impl(const at::Tensor& out, const at::Tensor& gra
   TORCH_CHECK_VALUE(g2.size(0) == x2.size(0), op, ": grad_out has ", g2.size(0), " rows but x has ", x2.size(0));
   const at::Tensor g_kept = grad_out_full ? gather_columns(g2, out_idx, k) : g2;
   const at::Tensor xs = gather_columns(x2, in_idx, k);
-  if (accumulate) {
+  if (mixed) {
+    k.gemm_float_out(out, g_kept.t(), xs, accumulate);
+  } else if (accumulate) {
     out.addmm_(g_kept.t(), xs);
   } else {
     at::mm_out(const_cast<at::Tensor&>(out), g_kept.t(), xs);

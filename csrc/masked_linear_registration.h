@@ -1,5 +1,5 @@
 // Registration of the four masked linear ops for one dispatch key. A device file defines
-// its IndexKernels table (gather, scatter_columns) and calls
+// its IndexKernels table (gather, scatter_columns, gemm_float_out) and calls
 //   SUBNET_EXT_REGISTER_MASKED_LINEAR(CPU, kCpuKernels)
 // once; the op bodies (validation, shapes, GEMMs) are the device-independent ones in
 // masked_linear.cpp, so the devices cannot drift apart.

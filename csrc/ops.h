@@ -23,6 +23,10 @@ struct IndexKernels {
   void (*gather)(const at::Tensor& src, const at::Tensor& rows, const at::Tensor& cols, const at::Tensor& dst);
   // dst[r, cols[c]] = src[r, c] and every other column of dst is zero; dst may be uninitialised.
   void (*scatter_columns)(const at::Tensor& src, const at::Tensor& cols, const at::Tensor& dst);
+  // out (+)= a @ b for half-precision a [M, K], b [K, N] (one dtype, fp16 or bf16) and an
+  // fp32 out [M, N]: products and sums in fp32, no fp32 copy of a or b where the device
+  // has a half-precision GEMM with fp32 output (CUDA: tensor cores); accumulate adds to out.
+  void (*gemm_float_out)(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b, bool accumulate);
 };
 
 // Operands the forward gathered, handed to the backward so it need not gather them again.
@@ -34,8 +38,10 @@ struct GatheredOperands {
 
 // check_indices: true validates the index values (in range, distinct; on CUDA one device
 // sync to read them back); false checks only dtype, dim and device, and the caller
-// guarantees the values are valid (the engine, whose plan validated them once). Invalid
-// values with check_indices=false are undefined behaviour (out-of-bounds reads/writes).
+// guarantees the values are valid (the engine, whose plan validated them once). With
+// check_indices=false an index out of range is still caught (CPU: a ValueError from a
+// one-pass range check; CUDA: a device assert in the kernels, which loses the context);
+// repeated indices are the caller's to avoid.
 at::Tensor masked_linear_impl(const char* op, const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
                               const OptTensor& out_idx, const OptTensor& in_idx, bool compact_weight,
                               int64_t scatter_width, bool check_indices, const IndexKernels& kernels,
@@ -53,6 +59,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_linear_backward_impl(
     std::array<bool, 3> output_mask, const OptTensor& x_kept, const OptTensor& weight_block, bool check_indices,
     const IndexKernels& kernels);
 
+// out may be float32 while grad_out and x are fp16/bf16 (mixed precision: the gradient of
+// fp32 parameters, e.g. a communication bucket): the owned block is gathered in the half
+// dtype and multiplied with fp32 output and accumulation (IndexKernels::gemm_float_out).
 void masked_linear_grad_weight_impl(const at::Tensor& out, const at::Tensor& grad_out, const at::Tensor& x,
                                     const OptTensor& out_idx, const OptTensor& in_idx, bool grad_out_full,
                                     bool accumulate, bool check_indices, const IndexKernels& kernels);

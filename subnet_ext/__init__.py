@@ -3,7 +3,13 @@
 Each of K ranks trains a structured subnetwork of the model; each parameter is averaged
 only among the ranks that hold it. See README.md and DESIGN.md.
 """
+import sys as _sys
+
 from .state import checkpoint
+
+# `import subnet_ext.checkpoint` and `from subnet_ext.checkpoint import save_subnet_checkpoint` find
+# the same module as the attribute `subnet_ext.checkpoint` (subnet_ext/state/checkpoint.py).
+_sys.modules[f"{__name__}.checkpoint"] = checkpoint
 from . import ops
 from .ops import reference
 from .ops.build_info import build_info

@@ -1,8 +1,12 @@
 """The `cuda` marker (pyproject.toml) on every GPU test, so `pytest -m cuda` selects them all.
 
-Whole GPU files and GPU-only tests carry @pytest.mark.cuda themselves; the variants of a
-test parametrised over subnet_ext.testing.DEVICES get it here, from their `device`
-parameter (they exist only where a GPU is visible and the CUDA kernels were built).
+Whole GPU files and GPU-only tests carry @pytest.mark.cuda themselves (tests/gpu_marks.py;
+tests/test_cuda_markers.py fails when one is missing); the variants of a test
+parametrised over subnet_ext.testing.DEVICES get it here, from their `device` parameter
+(they exist only where a GPU is visible and the CUDA kernels were built).
+
+With `-m cuda`, the run ends with one line counting the selected tests by outcome, which
+bench/gpu_check.sh shows in its summary ("[summary] ..." lines are its notes).
 """
 import pytest
 
@@ -12,3 +16,15 @@ def pytest_collection_modifyitems(config, items):
         callspec = getattr(item, "callspec", None)
         if callspec is not None and callspec.params.get("device") == "cuda":
             item.add_marker(pytest.mark.cuda)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if config.getoption("markexpr", "") != "cuda":
+        return
+    stats = terminalreporter.stats
+    counts = {k: len([r for r in stats.get(k, []) if getattr(r, "when", "call") in ("call", "setup")])
+              for k in ("passed", "failed", "skipped", "error")}
+    selected = terminalreporter._numcollected - len(stats.get("deselected", []))
+    terminalreporter.write_line(
+        f"[summary] cuda-marked tests: {selected} selected, {counts['passed']} passed, {counts['failed']} failed, "
+        f"{counts['skipped']} skipped, {counts['error']} errors")

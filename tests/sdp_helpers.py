@@ -48,3 +48,12 @@ def counting_direct_writes():
         yield count
     finally:
         surgery.DirectGradient.write = original
+
+
+def value_error(call) -> str | None:
+    """The message of the ValueError call() raises, or None when it returns."""
+    try:
+        call()
+    except ValueError as e:
+        return str(e)
+    return None

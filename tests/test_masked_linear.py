@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import subnet_ext as sx
+from gpu_marks import needs_cuda, needs_two_gpus
 from subnet_ext import reference as ref
 from subnet_ext.testing import DEVICES, DTYPES, assert_close_to_reference
 
@@ -277,8 +278,7 @@ def test_bad_backward_input():
         sx.masked_linear_grad_weight_(torch.zeros(len(oi), len(ii), dtype=torch.float64), g, x, oi, ii)
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif("cuda" not in DEVICES, reason="needs a GPU")
+@needs_cuda
 def test_index_on_wrong_device():
     x, w, b, oi, ii = operands("cuda", torch.float32, 0.5, compact=False)
     with pytest.raises(ValueError, match="in_idx is on cpu"):
@@ -404,7 +404,7 @@ def test_check_indices_opcheck_cpu():
                                 else a for a in args))
 
 
-@pytest.mark.skipif("cuda" not in DEVICES, reason="needs a GPU and the CUDA kernels")
+@needs_cuda
 @pytest.mark.parametrize("compact", [False, True])
 @pytest.mark.parametrize("scatter", [False, True])
 def test_check_indices_false_never_synchronises_cuda(compact, scatter):
@@ -434,9 +434,6 @@ def test_check_indices_false_never_synchronises_cuda(compact, scatter):
 
 
 # ---- CUDA gathers and scatters: many blocks, misaligned operands, side streams ----
-
-needs_cuda = pytest.mark.skipif("cuda" not in DEVICES, reason="needs a GPU and the CUDA kernels")
-
 
 def _check_gather_scatter_exact(x, w, b, oi, ii, width):
     """Gather (x_kept), scatter (y at columns R, zeros elsewhere) and the backward's
@@ -523,7 +520,7 @@ def test_cuda_side_stream():
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-3)
 
 
-@pytest.mark.skipif("cuda" not in DEVICES or torch.cuda.device_count() < 2, reason="needs two GPUs")
+@needs_two_gpus
 def test_cuda_second_device():
     """Operands on cuda:1 while cuda:0 is current: every launch on the operands' device."""
     x, w, b, oi, ii = operands("cuda:1", torch.float32, 0.5, compact=False, batch=(300,))

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import subnet_ext as sx
+from gpu_marks import needs_cuda, needs_two_gpus
 from subnet_ext import reference as ref
 from subnet_ext.ops import PreparedSegments
 from subnet_ext.testing import DEVICES, DTYPES
@@ -360,9 +361,6 @@ def test_prepared_ops_fake_kernels():
 
 # ---- CUDA: vector paths, partial widths, multi-chunk segments, opcheck, second device ----
 
-needs_cuda = pytest.mark.skipif("cuda" not in DEVICES, reason="needs a GPU and the CUDA kernels")
-
-
 def _round_trip_exact(tensors, rects, start=0, scale=0.5):
     """pack == reference exactly; unpack with `scale` == reference exactly."""
     segments, n = sx.segment_table(rects, start=start)
@@ -454,7 +452,7 @@ def test_cuda_prepared_calls_never_synchronise():
         torch.testing.assert_close(g, e, rtol=0, atol=0)
 
 
-@pytest.mark.skipif("cuda" not in DEVICES or torch.cuda.device_count() < 2, reason="needs two GPUs")
+@needs_two_gpus
 def test_cuda_second_device():
     """Operands on cuda:1 while cuda:0 is current: launches and tables on the operands' device."""
     tensors = make_tensors("cuda:1", torch.float32)

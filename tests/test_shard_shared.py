@@ -64,10 +64,19 @@ def _ddp_worker(rank, world, level, regime, folder):
     return out
 
 
+# The c10d functions FSDP2 calls: all_gather_single / reduce_scatter_single where torch has
+# them (2.14; there all_gather_into_tensor / reduce_scatter_tensor are deprecated aliases that
+# call them), all_gather_into_tensor / reduce_scatter_tensor before (2.11). Wrapping the
+# newest present counts each collective once either way; a torch whose FSDP2 called neither
+# would count nothing, and the comparison with comm_stats' prediction fails.
+GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+
+
 def _count_fsdp_step(sdp, rank) -> dict:
     """FSDP2's collectives in one forward + backward, counted by wrapping the c10d calls it makes."""
     counted = {"collectives": 0, "all_gather_bytes": 0, "reduce_scatter_bytes": 0}
-    originals = dist.all_gather_single, dist.reduce_scatter_single
+    originals = getattr(dist, GATHER), getattr(dist, SCATTER)
 
     def gather(output, input, *args, **kwargs):
         counted["collectives"] += 1
@@ -80,11 +89,13 @@ def _count_fsdp_step(sdp, rank) -> dict:
         counted["reduce_scatter_bytes"] += inp.numel() * inp.element_size()
         return originals[1](*args, **kwargs)
 
-    dist.all_gather_single, dist.reduce_scatter_single = gather, scatter
+    setattr(dist, GATHER, gather)
+    setattr(dist, SCATTER, scatter)
     try:
         lm_loss(sdp, tokens(rank, 0)).backward()
     finally:
-        dist.all_gather_single, dist.reduce_scatter_single = originals
+        setattr(dist, GATHER, originals[0])
+        setattr(dist, SCATTER, originals[1])
     return counted
 
 

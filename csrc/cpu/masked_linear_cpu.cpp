@@ -2,6 +2,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/mm.h>
 
 #include <algorithm>
 
@@ -46,7 +47,20 @@ void scatter_columns_cpu(const at::Tensor& src, const at::Tensor& cols, const at
   });
 }
 
-constexpr IndexKernels kCpuKernels{gather_cpu, scatter_columns_cpu};
+// IndexKernels::gemm_float_out. ATen's CPU GEMMs have no half-precision-in, fp32-out
+// variant: the operands (already the gathered owned block) are widened to fp32, which is
+// exact, so the sums are those of a GEMM accumulating in fp32.
+void gemm_float_out_cpu(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b, bool accumulate) {
+  const at::Tensor a32 = a.to(at::kFloat), b32 = b.to(at::kFloat);
+  at::Tensor& result = const_cast<at::Tensor&>(out);
+  if (accumulate) {
+    result.addmm_(a32, b32);
+  } else {
+    at::mm_out(result, a32, b32);
+  }
+}
+
+constexpr IndexKernels kCpuKernels{gather_cpu, scatter_columns_cpu, gemm_float_out_cpu};
 
 }  // namespace
 

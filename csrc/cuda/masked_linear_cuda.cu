@@ -4,12 +4,22 @@
 // size (2, 4, 8 bytes; 16-byte vectors for whole-row copies), not per dtype: half and
 // bfloat16 share one instantiation. Threads run along columns, so for a fixed row a warp
 // writes (gather) or reads (scatter) consecutive addresses of the contiguous side.
+//
+// Every index a kernel reads is bounds-checked with a device assert, so that values the
+// host did not validate (check_indices=False) stop the kernel instead of reading or
+// writing outside the tensors: one unsigned compare per index load, in kernels bound by
+// memory traffic. A tripped assert aborts the CUDA context (the next sync raises
+// "device-side assert triggered"); validated indices never trip it.
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/baddbmm.h>
 #include <ATen/ops/full.h>
+#include <ATen/ops/mm.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <c10/macros/Macros.h>
+#include <torch/version.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -30,30 +40,42 @@ using Vector16 = uint4;  // 16-byte unit of the whole-row path (alignof == 16)
 
 bool is_aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// 0 <= i < bound in one compare (a negative i wraps to a huge unsigned value).
+__device__ __forceinline__ bool in_bounds(int64_t i, int64_t bound) {
+  return static_cast<uint64_t>(i) < static_cast<uint64_t>(bound);
+}
+
 // dst[r, c] = src[rows ? rows[r] : r, cols ? cols[c] : c] for r < n_rows, c < n_cols.
-// src is row-major with row stride src_cols, dst is row-major [n_rows, n_cols]; both in
-// Units. Overwrites dst; indices are trusted (validated on the host by check_index).
+// src is row-major [src_rows, src_cols], dst row-major [n_rows, n_cols]; both in Units.
+// Overwrites dst. Indices outside src trip a device assert (see the top of the file).
 template <typename Unit>
-__global__ void gather_kernel(const Unit* __restrict__ src, int64_t src_cols, const int64_t* __restrict__ rows,
-                              const int64_t* __restrict__ cols, Unit* __restrict__ dst, int64_t n_rows,
-                              int64_t n_cols) {
+__global__ void gather_kernel(const Unit* __restrict__ src, int64_t src_rows, int64_t src_cols,
+                              const int64_t* __restrict__ rows, const int64_t* __restrict__ cols,
+                              Unit* __restrict__ dst, int64_t n_rows, int64_t n_cols) {
   const int64_t col_step = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t row_step = static_cast<int64_t>(gridDim.y) * blockDim.y;
   for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < n_cols; c += col_step) {
     const int64_t src_c = gathered_index(cols, c);
+    CUDA_KERNEL_ASSERT_MSG(in_bounds(src_c, src_cols), "subnet_ext.masked_linear: a column index is out of range");
 #pragma unroll 4
     for (int64_t r = static_cast<int64_t>(blockIdx.y) * blockDim.y + threadIdx.y; r < n_rows; r += row_step) {
-      dst[r * n_cols + c] = src[gathered_index(rows, r) * src_cols + src_c];
+      const int64_t src_r = gathered_index(rows, r);
+      CUDA_KERNEL_ASSERT_MSG(in_bounds(src_r, src_rows), "subnet_ext.masked_linear: a row index is out of range");
+      dst[r * n_cols + c] = src[src_r * src_cols + src_c];
     }
   }
 }
 
-// inverse[cols[c]] = c for c < n_cols, inverse pre-filled with -1: the source column of
-// each output column, or -1 where the output is zero. cols are distinct (the op's contract).
-__global__ void inverse_map_kernel(const int64_t* __restrict__ cols, int64_t n_cols, int64_t* __restrict__ inverse) {
+// inverse[cols[c]] = c for c < n_cols, inverse [n_inverse] pre-filled with -1: the source
+// column of each output column, or -1 where the output is zero. cols are distinct (the
+// op's contract); a value outside [0, n_inverse) trips a device assert.
+__global__ void inverse_map_kernel(const int64_t* __restrict__ cols, int64_t n_cols, int64_t* __restrict__ inverse,
+                                   int64_t n_inverse) {
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < n_cols; c += step) {
-    inverse[cols[c]] = c;
+    const int64_t w = cols[c];
+    CUDA_KERNEL_ASSERT_MSG(in_bounds(w, n_inverse), "subnet_ext.masked_linear: an output index is out of range");
+    inverse[w] = c;
   }
 }
 
@@ -93,10 +115,10 @@ Launch launch_shape(int64_t n_rows, int64_t n_cols) {
 }
 
 template <typename Unit>
-void launch_gather(const void* src, int64_t src_cols, const int64_t* rows, const int64_t* cols, void* dst,
-                   int64_t n_rows, int64_t n_cols, cudaStream_t stream) {
+void launch_gather(const void* src, int64_t src_rows, int64_t src_cols, const int64_t* rows, const int64_t* cols,
+                   void* dst, int64_t n_rows, int64_t n_cols, cudaStream_t stream) {
   const Launch l = launch_shape(n_rows, n_cols);
-  gather_kernel<Unit><<<l.grid, l.block, 0, stream>>>(static_cast<const Unit*>(src), src_cols, rows, cols,
+  gather_kernel<Unit><<<l.grid, l.block, 0, stream>>>(static_cast<const Unit*>(src), src_rows, src_cols, rows, cols,
                                                        static_cast<Unit*>(dst), n_rows, n_cols);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -107,7 +129,7 @@ const int64_t* index_pointer(const at::Tensor& idx) { return idx.defined() ? idx
 // ([R]) and cols ([C]) int64 on that device or undefined.
 void gather_cuda(const at::Tensor& src, const at::Tensor& rows, const at::Tensor& cols, const at::Tensor& dst) {
   TORCH_INTERNAL_ASSERT(src.dim() == 2 && dst.dim() == 2 && src.is_contiguous() && dst.is_contiguous());
-  const int64_t n_rows = dst.size(0), n_cols = dst.size(1), src_cols = src.size(1);
+  const int64_t n_rows = dst.size(0), n_cols = dst.size(1), src_rows = src.size(0), src_cols = src.size(1);
   if (n_rows == 0 || n_cols == 0) return;
   c10::cuda::CUDAGuard guard(dst.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -122,11 +144,11 @@ void gather_cuda(const at::Tensor& src, const at::Tensor& rows, const at::Tensor
     const bool whole_row_vectors = !col_idx.defined() && is_aligned16(s) && is_aligned16(d) &&
                                    (n_cols * elem) % 16 == 0 && (src_cols * elem) % 16 == 0;
     if (whole_row_vectors) {
-      launch_gather<Vector16>(s, src_cols * elem / 16, index_pointer(row_idx), nullptr, d, n_rows, n_cols * elem / 16,
-                              stream);
+      launch_gather<Vector16>(s, src_rows, src_cols * elem / 16, index_pointer(row_idx), nullptr, d, n_rows,
+                              n_cols * elem / 16, stream);
     } else {
-      launch_gather<storage_t<scalar_t>>(s, src_cols, index_pointer(row_idx), index_pointer(col_idx), d, n_rows,
-                                         n_cols, stream);
+      launch_gather<storage_t<scalar_t>>(s, src_rows, src_cols, index_pointer(row_idx), index_pointer(col_idx), d,
+                                         n_rows, n_cols, stream);
     }
   });
 }
@@ -146,7 +168,7 @@ void scatter_columns_cuda(const at::Tensor& src, const at::Tensor& cols, const a
   if (n_cols > 0) {
     const int64_t blocks = std::min<int64_t>((n_cols + kThreads - 1) / kThreads, kMaxGrid);
     inverse_map_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-        cols.const_data_ptr<int64_t>(), n_cols, inverse.mutable_data_ptr<int64_t>());
+        cols.const_data_ptr<int64_t>(), n_cols, inverse.mutable_data_ptr<int64_t>(), dst_cols);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "subnet_ext.scatter_cuda", [&] {
@@ -159,7 +181,30 @@ void scatter_columns_cuda(const at::Tensor& src, const at::Tensor& cols, const a
   });
 }
 
-constexpr IndexKernels kCudaKernels{gather_cuda, scatter_columns_cuda};
+// IndexKernels::gemm_float_out: a half-precision GEMM with fp32 output and accumulation
+// (cuBLAS on tensor cores), from the out_dtype overloads torch has had since 2.8; before
+// that, the operands are widened to fp32 first (exact, but an fp32 GEMM).
+void gemm_float_out_cuda(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b, bool accumulate) {
+  at::Tensor& result = const_cast<at::Tensor&>(out);
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
+  if (accumulate) {
+    // addmm's out_dtype overload wants a half-precision `self`; baddbmm's adds into `out`.
+    at::Tensor result3 = result.unsqueeze(0);
+    at::baddbmm_out(result3, result3, a.unsqueeze(0), b.unsqueeze(0), at::kFloat, 1, 1);
+  } else {
+    at::mm_out(result, a, b, at::kFloat);
+  }
+#else
+  const at::Tensor a32 = a.to(at::kFloat), b32 = b.to(at::kFloat);
+  if (accumulate) {
+    result.addmm_(a32, b32);
+  } else {
+    at::mm_out(result, a32, b32);
+  }
+#endif
+}
+
+constexpr IndexKernels kCudaKernels{gather_cuda, scatter_columns_cuda, gemm_float_out_cuda};
 
 }  // namespace
 

@@ -12,7 +12,9 @@
 #include <ATen/OpMathType.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -311,6 +313,9 @@ void unpack_average_cuda(at::TensorList tensors, const at::Tensor& segments, con
 
 // Validates once and uploads the work table once, with a synchronous copy: the prepared
 // table is then ready for any stream (and for CUDA graph capture) without further syncs.
+// The copy waits through c10::cuda::memcpy_and_sync, so torch.cuda.set_sync_debug_mode
+// sees it (a preparation inside a training step is a bug the engine's tests look for:
+// its tables keep their addresses, so it prepares each table once, before the first step).
 std::tuple<at::Tensor, at::Tensor> prepare_segments_cuda(at::TensorList tensors, const at::Tensor& segments,
                                                          const at::Tensor& buffer, const OptTensor& scales) {
   const char* op = "subnet_ext.prepare_segments";
@@ -320,13 +325,21 @@ std::tuple<at::Tensor, at::Tensor> prepare_segments_cuda(at::TensorList tensors,
   at::Tensor device = at::empty({static_cast<int64_t>(work.bytes.size())},
                                 at::TensorOptions().dtype(at::kByte).device(buffer.device()));
   if (!work.bytes.empty()) {
-    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    C10_CUDA_CHECK(cudaMemcpyAsync(device.mutable_data_ptr(), work.bytes.data(), work.bytes.size(),
-                                   cudaMemcpyHostToDevice, stream));
-    C10_CUDA_CHECK(cudaStreamSynchronize(stream));
+    c10::cuda::memcpy_and_sync(device.mutable_data_ptr(), work.bytes.data(), static_cast<int64_t>(work.bytes.size()),
+                               cudaMemcpyHostToDevice, c10::cuda::getCurrentCUDAStream());
   }
   const DeviceWork summary{static_cast<int64_t>(work.bytes.size()), work.chunk_offset, work.chunk_count};
   return {prepared_host_table(tensors, buffer, segs, scales.has_value(), summary), device};
+}
+
+// A prepared table may be used on another stream than the one it was allocated on (a
+// side stream, a communication hook's stream): tell the caching allocator, so that
+// dropping the table (a layout rebuilt) does not hand its memory to other work while a
+// launch on this stream may still read it. A no-op on the allocation stream.
+void keep_alive_on_current_stream(const at::Tensor& device_table) {
+  if (device_table.numel() == 0) return;
+  c10::cuda::CUDACachingAllocator::recordStream(device_table.storage().data_ptr(),
+                                                c10::cuda::getCurrentCUDAStream(device_table.device().index()));
 }
 
 void pack_segments_prepared_cuda(at::TensorList tensors, const at::Tensor& host_table, const at::Tensor& device_table,
@@ -336,6 +349,7 @@ void pack_segments_prepared_cuda(at::TensorList tensors, const at::Tensor& host_
   const DeviceTable work = device_view(device_table, table.header->chunk_offset, table.header->chunk_count);
   if (work.chunk_count == 0) return;
   c10::cuda::CUDAGuard guard(buffer.device());
+  keep_alive_on_current_stream(device_table);
   void* data = buffer.mutable_data_ptr();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, buffer.scalar_type(), "subnet_ext.pack_cuda",
                                   [&] { launch_segments<storage_t<scalar_t>, false>(work, data); });
@@ -348,6 +362,7 @@ void unpack_average_prepared_cuda(at::TensorList tensors, const at::Tensor& host
   const DeviceTable work = device_view(device_table, table.header->chunk_offset, table.header->chunk_count);
   if (work.chunk_count == 0) return;
   c10::cuda::CUDAGuard guard(buffer.device());
+  keep_alive_on_current_stream(device_table);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, buffer.scalar_type(), "subnet_ext.unpack_cuda", [&] {
     launch_segments<scalar_t, true>(work, const_cast<void*>(buffer.const_data_ptr()));
   });

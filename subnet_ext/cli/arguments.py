@@ -85,6 +85,9 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     from .training import LR_SCHEDULES, PRECISIONS
 
     t = p.add_argument_group("optimizer step (the same for every method)")
+    t.add_argument("--log-every", type=int, default=10, metavar="N",
+                   help="read the steps' losses and gradient norms to the host every N steps, in one copy (the "
+                        "progress bar and the history are complete then; a step itself reads only its skip flag)")
     t.add_argument("--grad-clip", type=float, default=None, metavar="MAX",
                    help="clip the global gradient 2-norm to MAX (sdp: the synchronised gradient's norm); the "
                         "pre-clip norm goes to history['grad_norm']")
@@ -110,7 +113,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--coverage must be in (0, 1], got {args.coverage}")
     if not 0 <= args.seed < 2**31:
         p.error(f"--seed must be in [0, 2**31), got {args.seed}")
-    for name in ("steps", "batch_size", "seq_len", "sync_every", "grad_accum"):
+    for name in ("steps", "batch_size", "seq_len", "sync_every", "grad_accum", "log_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     for name in ("eval_every", "save_every", "stop_after", "verify_every", "warmup_steps"):

@@ -127,12 +127,18 @@ def run_worker(args: Namespace) -> dict | None:
 
 def _train(args, task, method, optimizer, history, start, device, rank) -> dict | None:
     """Steps start..args.steps, appending to history; this rank's measurements
-    {memory, activation_bytes, step_time_s}, or None after --stop-after."""
+    {memory, activation_bytes, step_time_s}, or None after --stop-after.
+
+    A step reads one number to the host (its skip flag, which paces the host, so the
+    wall time of a step is its time once the pipeline is full); losses and gradient norms
+    are read every --log-every steps, and before anything that uses the history."""
     guard = NonFiniteGuard(args.max_skipped, timeout=args.timeout)
     guard.skipped_steps = list(history["skipped"])
     stepper = OptimizerStep(method, optimizer, guard, args, device, taken=len(history["step"]) - guard.skipped)
     faults = Faults(rank)
     progress = _progress(rank, start, args.steps)
+    scalars = DeferredScalars(history)
+    log_every = getattr(args, "log_every", 10)
     step_times, memory, activation_bytes = [], None, None
     for step in range(start, args.steps):
         faults.before_step(step + 1)
@@ -149,12 +155,13 @@ def _train(args, task, method, optimizer, history, start, device, rank) -> dict 
                 memory = method.memory(optimizer)  # grads still allocated: measured before zero_grad
             method.after_step()
         optimizer.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
         step_times.append(time.perf_counter() - t0)
-        _record(history, step + 1, loss, record, guard)
+        _record(history, scalars, step + 1, loss, record, guard)
         progress.update(1)
-        progress.set_postfix(loss=f"{loss:.4f}")
+        boundary = step + 1 == args.steps or bool(args.stop_after and step + 1 - start >= args.stop_after)
+        if (step + 1) % log_every == 0 or boundary or _saves_or_evaluates(args, step + 1):
+            scalars.flush()
+            progress.set_postfix(loss=f"{history['loss'][-1]:.4f}")
         if args.verify_every and (step + 1) % args.verify_every == 0:
             method.verify_consistency()
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
@@ -164,19 +171,52 @@ def _train(args, task, method, optimizer, history, start, device, rank) -> dict 
         if args.stop_after and step + 1 - start >= args.stop_after:
             progress.close()
             return None
+    scalars.flush()
     progress.close()
     return {"memory": memory, "activation_bytes": activation_bytes,
             "step_time_s": _median(step_times[1:] or step_times)}
 
 
-def _record(history: dict, step: int, loss: float, record: dict, guard) -> None:
-    """Appends one step to the history: loss (mean over micro-batches), lr, pre-clip norm."""
+def _saves_or_evaluates(args, step: int) -> bool:
+    """True when this step's end writes a checkpoint or evaluates (the history must be read)."""
+    return bool((args.save_dir and args.save_every and step % args.save_every == 0)
+                or (args.eval_every and step % args.eval_every == 0))
+
+
+class DeferredScalars:
+    """Per-step device scalars (loss, gradient norm) appended to the history as tensors and
+    read to the host together, in one copy, by `flush()`: reading each as it is made would
+    wait for that step's work to finish, every step."""
+
+    def __init__(self, history: dict):
+        self.history, self.pending = history, []
+
+    def append(self, key: str, value) -> None:
+        """history[key].append(value); a tensor is replaced by its float at the next flush."""
+        self.history[key].append(value)
+        if torch.is_tensor(value):
+            self.pending.append((key, len(self.history[key]) - 1, value))
+
+    def flush(self) -> None:
+        """Replace every pending tensor in the history by its value (one device-to-host copy)."""
+        if not self.pending:
+            return
+        device = self.pending[0][2].device
+        values = torch.stack([v.detach().float().reshape(()).to(device) for _, _, v in self.pending]).tolist()
+        for (key, i, _), v in zip(self.pending, values):
+            self.history[key][i] = v
+        self.pending = []
+
+
+def _record(history: dict, scalars: DeferredScalars, step: int, loss, record: dict, guard) -> None:
+    """Appends one step to the history: loss (mean over micro-batches), lr, pre-clip norm
+    (the tensors are read at the next flush)."""
     history["skipped"] = list(guard.skipped_steps)
     history["step"].append(step)
-    history["loss"].append(loss)
+    scalars.append("loss", loss)
     history["lr"].append(record["lr"])
     if "grad_norm" in history:
-        history["grad_norm"].append(record["grad_norm"])
+        scalars.append("grad_norm", record["grad_norm"])
 
 
 def _report(args, task, method, per_rank, comm, final, history, world):

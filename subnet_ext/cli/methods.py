@@ -145,7 +145,8 @@ class Method:
         raise NotImplementedError
 
     def full_state_dict(self) -> dict:
-        """The full model's state dict ({name: tensor}, full shapes), as the unwrapped model would give it."""
+        """The full model's state dict ({name: tensor}, full shapes), as the unwrapped model would give
+        it; at least on rank 0 (the one that writes it): sharded methods give the others {}."""
         raise NotImplementedError
 
     def load_full_state_dict(self, sd: dict) -> None:
@@ -338,8 +339,9 @@ class SDPMethod(Method):
         return stats
 
     def full_state_dict(self):
-        """The full model's state dict assembled from every rank's pieces (collective)."""
-        return self.sdp.full_state_dict()
+        """The full model's state dict assembled from every rank's pieces, on rank 0 and on the
+        CPU, {} elsewhere (as FSDP's; the other ranks never hold the whole model). Collective."""
+        return self.sdp.full_state_dict(rank0_only=True, cpu_offload=True)
 
     def load_full_state_dict(self, sd):
         """Load a full model state dict: each rank keeps the pieces it holds."""

@@ -125,6 +125,11 @@ def apply_activation_checkpointing(model: nn.Module) -> int:
 class OptimizerStep:
     """One optimizer step of a run: micro-batches, the skip decision, clipping, the step.
 
+    A step reads one number to the host: its skip decision (the guard's all-reduced flag,
+    or inside the fp16 scaler's `step`, as torch DDP + GradScaler do). The loss and the
+    gradient norm stay on the device (the loop reads them every --log-every steps), and
+    whether the scaler stepped is seen by an optimizer step hook, not by reading the scale.
+
     Args:
         method: the wrapped model (methods.Method: __call__, parameters, no_sync, clip_grad_norm_).
         optimizer: over method.parameters().
@@ -138,13 +143,19 @@ class OptimizerStep:
         self.micro_steps, self.max_norm, self.precision = args.grad_accum, args.grad_clip, args.precision
         self.scaler = make_scaler(method.name, args.precision, device, args.timeout)
         self.scheduler = make_scheduler(optimizer, args.lr, args.steps, args.warmup_steps, args.lr_schedule, taken)
+        self._stepped = False
+        optimizer.register_step_post_hook(self._saw_step)
 
-    def accumulate(self, task, step: int, rank: int, world: int, meter=None) -> float:
-        """Forward + backward of the step's micro-batches; returns their mean loss.
+    def _saw_step(self, optimizer, args, kwargs) -> None:
+        self._stepped = True
+
+    def accumulate(self, task, step: int, rank: int, world: int, meter=None) -> torch.Tensor:
+        """Forward + backward of the step's micro-batches; returns their mean loss, a 0-d
+        tensor on the device (not read here: reading it would wait for the backward).
 
         `meter` (a context manager, e.g. ActivationMeter) wraps the first forward only.
         """
-        total = 0.0
+        total = None
         for micro in range(self.micro_steps):
             x, y = task.batch(step, rank, world, micro, self.micro_steps)
             x, y = x.to(self.device), y.to(self.device)
@@ -155,25 +166,26 @@ class OptimizerStep:
                     with autocast(self.device, self.precision):
                         loss = task.loss(self.method(x), y) / self.micro_steps
                 (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-            total += loss.item()
+            total = loss.detach().float() if total is None else total + loss.detach().float()
         return total
 
     def finish(self, step: int) -> dict:
         """Decide, clip and step after `accumulate`. `step` (1-based) labels a skip.
 
         Returns {"stepped": bool, "lr": lr of this step, "grad_norm": pre-clip norm of the
-        synchronised gradient (None without --grad-clip or when the step was skipped)}.
+        synchronised gradient, a 0-d device tensor (None without --grad-clip or when the
+        step was skipped)}.
         """
         lr = self.optimizer.param_groups[0]["lr"]
         norm = None
+        self._stepped = False
         if self.scaler is not None:
             # fp16: the scaler's found-inf decides (agreed by all ranks); no second check by the guard.
             self.scaler.unscale_(self.optimizer)
             norm = self._clip()
-            scale = self.scaler.get_scale()
-            self.scaler.step(self.optimizer)
+            self.scaler.step(self.optimizer)  # reads its found-inf flag: the step's one host read
             self.scaler.update()
-            stepped = self.scaler.get_scale() >= scale  # a skipped step backs the scale off
+            stepped = self._stepped  # the scaler called optimizer.step() (the hook saw it)
             if not stepped:
                 _count_skip(self.guard, step)
                 norm = None
@@ -190,7 +202,7 @@ class OptimizerStep:
         if self.max_norm is None:
             return None
         norm = self.method.clip_grad_norm_(self.max_norm)
-        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).detach()
 
 
 def _count_skip(guard, step: int) -> None:

@@ -12,12 +12,23 @@ buffers and the same sums, only later, so both paths give bit-identical results.
 
 Each bucket has one persistent buffer (like DDP's), reused for gradients and, with
 sync_every > 1, for parameters.
+
+Gradients keep their addresses for the life of the layout, so the prepared segment
+tables are built once and a step neither validates nor uploads one (no host work, no
+device synchronisation, capturable in a CUDA graph). When gradients are averaged every
+step, each parameter with pieces in a bucket gets an engine-owned gradient, its "home",
+that becomes its `.grad` when its bucket is issued (as torch DDP's
+`gradient_as_bucket_view`): a parameter that is one whole piece in one bucket has its
+home in the bucket itself (its gradient is neither packed nor unpacked, only scaled in
+place, and needs no memory of its own); any other (several pieces, or a zero-filled
+bucket) has a standalone home that the fixed tables pack from and unpack into. A
+gradient that autograd allocated afresh (after `zero_grad(set_to_none=True)`, or
+accumulated under `no_sync()`) is copied into its home once, at issue, and the home
+replaces it; a parameter without a gradient gets a zero home.
 """
 from __future__ import annotations
 
 from typing import Callable
-
-import contextlib
 
 import torch
 from torch.autograd import Variable
@@ -26,7 +37,7 @@ from .. import ops
 from ..planning.buckets import Bucket
 from .communicator import Communicator
 from .prepared import PreparedTables
-from ..planning.pieces import Piece
+from ..planning.pieces import Piece, rectangle
 
 Resolver = Callable[[Piece], tuple]  # piece -> (local tensor, rectangle) on this rank
 
@@ -44,7 +55,11 @@ class _BucketState:
         self.buffer = None
         self.tables = {}  # quantity -> (one piece per tensor of the tensor list, segment table, scales)
         self.pending = 0
-        self.direct = {}  # piece -> (buffer offset, numel): its gradient is written into the buffer itself
+        # piece -> (buffer offset, numel): its parameter's gradient lives in the buffer itself
+        # (the parameter's .grad is a view of it; the masked kernel may write it there directly).
+        self.in_place = {}
+        self.gradient_params = []  # the trainable parameters of the held pieces (whose .grad is made a home)
+        self._scaled = None  # ([1-D views of the in-place pieces], [their 1/owner-count]), made once
 
     def table(self, quantity: str, resolve: Resolver):
         """Which local tensors the held pieces live in, where, and the unpack scale of each
@@ -53,7 +68,7 @@ class _BucketState:
         if quantity not in self.tables:
             tensor_pieces, tensor_index, rows, scales = [], {}, [], []
             for p, off in self.held:
-                if quantity == "gradients" and p in self.direct:
+                if quantity == "gradients" and p in self.in_place:
                     continue  # already in the buffer: neither packed nor copied back
                 tensor, (r0, r1, c0, c1) = resolve(p)
                 if id(tensor) not in tensor_index:
@@ -76,6 +91,14 @@ class _BucketState:
             # so they stay zero through every all-reduce instead of summing garbage.
             self.buffer = torch.zeros(self.bucket.numel, dtype=getattr(torch, self.bucket.dtype), device=device)
         return self.buffer
+
+    def scale_in_place(self) -> None:
+        """Multiply every in-place gradient by its 1/owner-count (one multi-tensor launch)."""
+        if self._scaled is None:
+            views = [self.buffer.narrow(0, off, n) for off, n in self.in_place.values()]
+            self._scaled = (views, [1.0 / len(p.owners) for p in self.in_place])
+        if self._scaled[0]:
+            torch._foreach_mul_(*self._scaled)
 
 
 class BucketedAverager:
@@ -102,7 +125,7 @@ class BucketedAverager:
                  layout, overlap: bool = True, trainable_ids: set = frozenset(), average_gradients: bool = True):
         self.comm, self.device, self.overlap = communicator, device, overlap
         self.average_gradients = average_gradients
-        self.sync_enabled = True  # False inside no_sync()
+        self.sync_enabled = True  # False: backward passes only accumulate (the engine's no_sync())
         self._queued = False  # the end-of-backward callback is queued on the autograd engine
         self._pieces_of_param = layout.pieces_by_parameter(set(trainable_ids))
         self.resolvers = {"gradients": layout.resolve_grad, "parameters": layout.resolve_value}
@@ -115,6 +138,58 @@ class BucketedAverager:
         self._next = 0
         self.issued_during_backward = 0  # buckets issued before the backward ended (overlap)
         self.prepared = PreparedTables()  # segment tables validated once per layout
+        self._homes = {}  # id(parameter) -> its gradient home (made at its first issue)
+        self._bucket_places = {}  # id(parameter) -> (bucket state, offset) of a home inside a bucket
+        self._direct = set()  # pieces whose gradient the masked kernel writes into the bucket
+        if average_gradients:
+            self._place_gradients(layout, set(trainable_ids))
+
+    def _place_gradients(self, layout, trainable_ids: set) -> None:
+        """Decide each communicated parameter's gradient home: in its bucket when the
+        parameter is one whole piece in one bucket that is not zero-filled, else standalone."""
+        held = layout.pieces_by_parameter(trainable_ids)
+        for s in self.states:
+            seen = set()
+            for p, off in s.held:
+                param = layout.piece_params.get(p)
+                if param is None and p.is_param:
+                    param = layout.value_of(p.name)
+                if param is None or id(param) not in trainable_ids or id(param) in seen:
+                    continue
+                seen.add(id(param))
+                s.gradient_params.append(param)
+                r0, r1, c0, c1 = rectangle(param.shape, p.dim, layout.local_start[p], p.length)
+                whole = p in layout.piece_params or (r1 - r0) * (c1 - c0) == param.numel()
+                if held.get(id(param)) == [p] and whole and not s.zero_fill and len(self.buckets_of_piece[p]) == 1:
+                    s.in_place[p] = (off, param.numel())
+                    self._bucket_places[id(param)] = (s, off)
+
+    def _home(self, param) -> torch.Tensor:
+        """The parameter's gradient home: its place in its bucket, or a standalone zero tensor."""
+        home = self._homes.get(id(param))
+        if home is None:
+            place = self._bucket_places.get(id(param))
+            if place is not None:
+                state, offset = place
+                home = state.ensure_buffer(self.device).narrow(0, offset, param.numel()).view(param.shape)
+            else:
+                home = torch.zeros_like(param, memory_format=torch.contiguous_format)
+            self._homes[id(param)] = home
+        return home
+
+    def _adopt_gradients(self, s: _BucketState) -> None:
+        """Make each parameter's home its .grad: copy a gradient autograd allocated afresh
+        into it, or zero it for a parameter that got no gradient (as resolve_grad does)."""
+        for param in s.gradient_params:
+            home = self._home(param)
+            grad = param.grad
+            if grad is not None and grad.data_ptr() == home.data_ptr():
+                continue
+            if grad is None:
+                home.zero_()
+            else:
+                home.copy_(grad)
+            param.grad = home
 
     @property
     def buffer_bytes(self) -> int:
@@ -126,38 +201,23 @@ class BucketedAverager:
         return {s.buffer.untyped_storage().data_ptr() for s in self.states if s.buffer is not None}
 
     def direct_gradient_view(self, piece: Piece, numel: int) -> torch.Tensor | None:
-        """A 1-D view of `piece`'s place in its bucket buffer, for a kernel to write the
-        gradient into directly (the piece is then neither packed nor unpacked; its view is
-        averaged in place). None if the piece is not communicated here."""
-        buckets = self.buckets_of_piece.get(piece, ())
-        if len(buckets) != 1:
+        """A 1-D view [numel] of `piece`'s place in its bucket buffer, for a kernel to write
+        the gradient into directly (the piece is then neither packed nor unpacked; its view
+        is averaged in place). None unless the piece's gradient lives in a bucket here."""
+        s = next((s for s in self.states if piece in s.in_place), None)
+        if s is None or s.in_place[piece][1] != numel:
             return None
-        s = self.states[buckets[0]]
-        if s.zero_fill:
-            return None  # the buffer is zeroed before packing
-        offset = dict(s.held)[piece]
-        s.direct[piece] = (offset, numel)
-        s.tables.pop("gradients", None)
+        self._direct.add(piece)
         # Its readiness now comes from the kernel's call (on_grad_ready), not from the
         # parameter's accumulate hook, which would report it a second time.
         for pieces in self._pieces_of_param.values():
             if piece in pieces:
                 pieces.remove(piece)
-        return s.ensure_buffer(self.device).narrow(0, offset, numel)
+        return s.ensure_buffer(self.device).narrow(0, s.in_place[piece][0], numel)
 
     def direct_gradient_pieces(self) -> set:
         """The pieces whose gradient a kernel writes straight into a bucket buffer."""
-        return {p for s in self.states for p in s.direct}
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Backward passes inside only accumulate into `.grad`; nothing is communicated."""
-        previous = self.sync_enabled
-        self.sync_enabled = False
-        try:
-            yield
-        finally:
-            self.sync_enabled = previous
+        return set(self._direct)
 
     def on_param_grad_ready(self, param) -> None:
         """A post-accumulate-grad hook's report: `param`'s gradient is final for this backward."""
@@ -212,8 +272,7 @@ class BucketedAverager:
                 key = (id(s), "unpack", quantity_issued)
                 ops.unpack_average_(tensors, self.prepared.get(key, tensors, table, s.buffer, scales), s.buffer)
             if quantity_issued == "gradients" and not self.comm.simulated:
-                for p, (offset, numel) in s.direct.items():
-                    s.buffer.narrow(0, offset, numel).mul_(1.0 / len(p.owners))
+                s.scale_in_place()
         self._issued, self._next = [], 0
 
     def average_now(self, quantity: str) -> None:
@@ -223,6 +282,8 @@ class BucketedAverager:
 
     def _issue(self, s: _BucketState, quantity: str) -> None:
         buffer = s.ensure_buffer(self.device)
+        if quantity == "gradients":
+            self._adopt_gradients(s)
         if s.zero_fill:
             buffer.zero_()
         tensors, table, _ = s.tensors(quantity, self.resolvers[quantity])

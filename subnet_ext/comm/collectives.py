@@ -4,7 +4,9 @@ A gloo or NCCL collective whose peer died or never arrives blocks until the proc
 group's timeout (30 minutes by default) and then fails with a message that names
 neither the operation nor the ranks. Here every collective the engine issues is
 started asynchronously and waited on with a deadline; on timeout or failure the error
-says which operation, on which group of ranks, and what to do.
+says which operation, on which group of ranks, and what to do. Off the training step
+the deadline is a host wait (`wait(..., timeout=)`); in the step it is the process
+group's own timeout (`wait_in_stream_order`), so NCCL collectives never block the host.
 
     work = dist.all_reduce(buffer, group=g, async_op=True)
     wait(work, "all_reduce", "owner set (0, 2)", timeout=60.0)
@@ -41,6 +43,31 @@ class CollectiveError(RuntimeError):
             "is gone, stuck or issuing different collectives. Check the other ranks' logs; the process group cannot "
             "be used any more, so restart the job from its last checkpoint (torchrun --max-restarts with "
             "--resume auto does this), or raise the timeout if steps are legitimately this slow.")
+        notes = _failure_notes_for(self)
+        if notes:
+            self.args = (f"{self.args[0]} {notes}",)
+
+
+_FAILURE_NOTES: list = []  # callables (CollectiveError) -> str | None, see add_failure_note
+
+
+def add_failure_note(note) -> None:
+    """Have note(error) -> str | None run whenever a CollectiveError is made, its text appended to
+    the error's message (call_check.py: what the other ranks were doing). Registered once."""
+    if note not in _FAILURE_NOTES:
+        _FAILURE_NOTES.append(note)
+
+
+def _failure_notes_for(error: "CollectiveError") -> str:
+    texts = []
+    for note in list(_FAILURE_NOTES):
+        try:
+            text = note(error)
+        except Exception as e:  # a note must never hide the failure it annotates
+            text = f"(could not tell what the other ranks were doing: {type(e).__name__}: {e})"
+        if text:
+            texts.append(text)
+    return " ".join(texts)
 
 
 def as_timedelta(timeout: float | None) -> datetime.timedelta | None:
@@ -70,13 +97,39 @@ def group_ranks(group=None) -> str:
 def wait(work, operation: str, group: str, timeout: float | None = None) -> None:
     """Wait for an async collective; CollectiveError after `timeout` seconds or on failure.
 
+    For collectives off the training step (checkpoints, evaluation, consistency checks):
+    with a timeout, the host blocks until the collective ends (on NCCL too). The step's
+    own collectives use `wait_in_stream_order` instead.
+
     Args:
         work: what `dist.<collective>(..., async_op=True)` returned.
         operation, group: how the error names the collective and its ranks.
         timeout: seconds; None waits for the process group's own timeout.
     """
+    _wait(work, operation, group, timeout, host_deadline=timeout is not None)
+
+
+def wait_in_stream_order(work, operation: str, group: str, group_timeout: float | None = None) -> None:
+    """Wait for a collective of the training step without a host deadline.
+
+    `work.wait()` with no argument: on NCCL the current stream waits for the collective
+    and the host goes on queueing work (no synchronisation); on gloo the host waits. The
+    deadline is the process group's own timeout, set when the group was made (the engine
+    makes its groups with its `timeout`), so a peer that is gone is still an error, not a
+    hang: gloo raises here (turned into a CollectiveError naming `operation` and
+    `group`), NCCL's watchdog aborts the communicator.
+
+    Args:
+        work, operation, group: as `wait`.
+        group_timeout: the seconds the group was created with (None: torch's default),
+            named in the error message only.
+    """
+    _wait(work, operation, group, group_timeout, host_deadline=False)
+
+
+def _wait(work, operation: str, group: str, timeout: float | None, host_deadline: bool) -> None:
     try:
-        done = work.wait() if timeout is None else work.wait(as_timedelta(timeout))
+        done = work.wait(as_timedelta(timeout)) if host_deadline else work.wait()
     except RuntimeError as e:  # DistBackendError and gloo's "Operation timed out!" are RuntimeErrors
         raise CollectiveError(operation, group, timeout, e) from e
     if done is False:  # some backends report a timeout by returning False
@@ -84,10 +137,19 @@ def wait(work, operation: str, group: str, timeout: float | None = None) -> None
 
 
 def all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM, timeout: float | None = None,
-               label: str | None = None) -> torch.Tensor:
-    """In-place all_reduce with a deadline; returns `tensor`."""
+               label: str | None = None, operation: str = "all_reduce") -> torch.Tensor:
+    """In-place all_reduce with a deadline; returns `tensor`. `operation` names it in errors."""
     work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
-    wait(work, "all_reduce", label or group_ranks(group), timeout)
+    wait(work, operation, label or group_ranks(group), timeout)
+    return tensor
+
+
+def reduce(tensor: torch.Tensor, dst: int, group=None, op=dist.ReduceOp.SUM, timeout: float | None = None,
+           label: str | None = None, operation: str = "reduce") -> torch.Tensor:
+    """In-place reduce onto global rank `dst` with a deadline; returns `tensor` (the result on
+    `dst` only: other ranks' tensors are left undefined, as torch's reduce leaves them)."""
+    work = dist.reduce(tensor, dst=dst, op=op, group=group, async_op=True)
+    wait(work, operation, label or group_ranks(group), timeout)
     return tensor
 
 

@@ -37,16 +37,19 @@ class CommCounter:
 
 
 class PendingCollective:
-    """An issued asynchronous collective; `wait()` raises collectives.CollectiveError naming
-    the operation and the group when it fails or outlasts the timeout."""
+    """An issued asynchronous collective of the training step; `wait()` orders the current
+    stream after it without blocking the host (collectives.wait_in_stream_order) and raises
+    collectives.CollectiveError naming the operation and the group when it fails or
+    outlasts its group's timeout."""
 
     def __init__(self, work, operation: str, group: str, timeout: float | None):
         self.work, self.operation, self.group, self.timeout = work, operation, group, timeout
 
     def wait(self) -> None:
-        """Block until the collective completes; raise collectives.CollectiveError on failure or timeout."""
+        """Order the current stream after the collective (gloo: block until it completes);
+        raise collectives.CollectiveError on failure or after the group's timeout."""
         if self.work is not None:
-            collectives.wait(self.work, self.operation, self.group, self.timeout)
+            collectives.wait_in_stream_order(self.work, self.operation, self.group, self.timeout)
 
 
 class Communicator:
@@ -57,8 +60,13 @@ class Communicator:
         world_size, rank: the plan's world size and this rank.
         process_group: the group the plan's ranks live in (None: the default group).
         counter: where bytes and collectives are counted.
-        timeout: seconds each collective may wait for its peers before raising
-            collectives.CollectiveError (None: the process group's own timeout).
+        timeout: seconds any collective may wait for its peers before
+            collectives.CollectiveError (None: the process group's own timeout). It is
+            the timeout of the groups made here: one per owner set, and, when a timeout
+            is given, one of all the plan's ranks for the world-wide buckets and the
+            refresh (so that `process_group`'s own timeout does not apply). The waits
+            themselves pass no timeout: a host-side deadline would make the CPU wait for
+            every bucket on NCCL.
     """
 
     simulated = False
@@ -68,21 +76,25 @@ class Communicator:
         self.world_size, self.rank, self.process_group, self.counter = world_size, rank, process_group, counter
         self.timeout = timeout
         self.groups = {}
+        self.world_group = process_group
         if world_size == 1:
             return
         world_pg = process_group if process_group is not None else dist.group.WORLD
         default = process_group is None or process_group == dist.group.WORLD
         kwargs = {} if timeout is None else {"timeout": collectives.as_timedelta(timeout)}
-        for s in sorted(set(owner_sets)):
+        world = tuple(range(world_size))
+        sets = set(owner_sets) | ({world} if timeout is not None else set())
+        for s in sorted(sets):
             if len(s) < 2:
                 continue
-            if len(s) == world_size:
+            if len(s) == world_size and timeout is None:
                 self.groups[s] = world_pg
                 continue
             ranks = list(s) if default else [dist.get_global_rank(world_pg, r) for r in s]
             # Every rank of the default group calls new_group for every set, in one order;
             # inside a user group only its members can take part, so they sync locally.
             self.groups[s] = dist.new_group(ranks, use_local_synchronization=not default, **kwargs)
+        self.world_group = self.groups.get(world, process_group)
 
     def _global(self, rank: int) -> int:
         return rank if self.process_group is None else dist.get_global_rank(self.process_group, rank)
@@ -95,11 +107,13 @@ class Communicator:
                                  collectives.describe_group(owners, self.world_size), self.timeout)
 
     def broadcast(self, buffer: torch.Tensor, src: int, quantity: str) -> None:
-        """Synchronous broadcast of `buffer` from plan rank `src` to every rank."""
+        """Broadcast of `buffer` from plan rank `src` to every rank; the current stream is
+        ordered after it (NCCL: the host does not wait)."""
         self.counter.add(quantity, buffer)
-        work = dist.broadcast(buffer, src=self._global(src), group=self.process_group, async_op=True)
-        collectives.wait(work, f"broadcast of {quantity} from rank {src}",
-                         collectives.describe_group(range(self.world_size), self.world_size), self.timeout)
+        work = dist.broadcast(buffer, src=self._global(src), group=self.world_group, async_op=True)
+        collectives.wait_in_stream_order(work, f"broadcast of {quantity} from rank {src}",
+                                         collectives.describe_group(range(self.world_size), self.world_size),
+                                         self.timeout)
 
 
 class SimulatedCommunicator(Communicator):
@@ -113,7 +127,7 @@ class SimulatedCommunicator(Communicator):
 
     def __init__(self, world_size: int, rank: int, counter: CommCounter):
         self.world_size, self.rank, self.process_group, self.counter = world_size, rank, None, counter
-        self.timeout, self.groups = None, {}
+        self.timeout, self.groups, self.world_group = None, {}, None
 
     def all_reduce(self, buffer, owners, quantity):
         """Count the bytes of `buffer`; no communication (the buffer keeps this rank's values)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops
+from ..planning.buckets import align_elements
 from .prepared import PreparedTables
 from .communicator import Communicator
 from ..planning.pieces import Piece
@@ -23,16 +24,22 @@ class CopyRefresher:
     layout is static, so it is built once. Simulated: the leader's packing and the bytes
     are kept, the copies are left as they are.
 
-    Buffers are allocated per call, not kept: they hold every unit some rank lacks, which in
-    the backward regime (full parameters on every rank) would be a second copy of most of
-    the model.
+    One persistent buffer (zeroed once, allocated at the first refresh) serves every
+    broadcast in turn, sized to the largest: the broadcasts run one after the other in
+    stream order, and keeping every unit some rank lacks at once would be a second copy
+    of most of the model. Its address never changes, so the segment tables are prepared
+    once. Each piece starts at a 16-byte aligned offset (as in the buckets), so the
+    packing kernels' vector path applies to every segment.
     """
 
     def __init__(self, pieces: list[Piece], rank: int, world_size: int, resolve: Resolver, comm: Communicator,
                  quantity: str = "refresh"):
         self.rank, self.resolve, self.comm, self.quantity = rank, resolve, comm, quantity
-        self.broadcasts = []  # (leader, one piece per tensor of the tensor list, table, rows to copy, total)
+        # (leader, one piece per tensor of the tensor list, table, rows to copy, their scales, total)
+        self.broadcasts = []
         self.prepared = PreparedTables()  # segment tables validated once per layout
+        self.buffer = None  # the persistent buffer, [max total] of the first dtype; see buffer_for
+        self._views = {}  # broadcast index -> its [total] view of the buffer
         if world_size == 1:
             return
         for leader in range(world_size):
@@ -48,17 +55,39 @@ class CopyRefresher:
                         tensor_index[id(t)] = len(tensor_pieces)
                         tensor_pieces.append(p)
                     rects.append((tensor_index[id(t)], *rect))
-                table, total = ops.segment_table(rects)
+                table, total = ops.segment_table(rects, align=align_elements(items[0][1].element_size()))
+                if total == 0:
+                    continue  # nothing to send (the cost model counts no collective either)
                 keep = [i for i, (p, _, _) in enumerate(items) if rank not in p.owners]
-                self.broadcasts.append((leader, tensor_pieces, table, table[keep], total))
+                self.broadcasts.append((leader, tensor_pieces, table, table[keep],
+                                        torch.ones(len(keep), dtype=torch.float32), total))
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the persistent refresh buffer (0 before the first refresh)."""
+        return 0 if self.buffer is None else self.buffer.numel() * self.buffer.element_size()
+
+    def _view(self, i: int, total: int, like: torch.Tensor) -> torch.Tensor:
+        """Broadcast i's [total] view of the persistent buffer, in `like`'s dtype, made once.
+        The buffer is bytes (uint8, sized for the largest broadcast), so broadcasts of
+        different dtypes share it."""
+        view = self._views.get(i)
+        if view is None:
+            if self.buffer is None:
+                nbytes = max(n * self.resolve(pieces[0])[0].element_size()
+                             for _, pieces, _, _, _, n in self.broadcasts)
+                self.buffer = torch.zeros(nbytes, dtype=torch.uint8, device=like.device)
+            view = self.buffer.narrow(0, 0, total * like.element_size()).view(like.dtype)
+            self._views[i] = view
+        return view
 
     def __call__(self) -> None:
-        for i, (leader, tensor_pieces, table, keep_table, total) in enumerate(self.broadcasts):
+        for i, (leader, tensor_pieces, table, keep_table, ones, total) in enumerate(self.broadcasts):
             tensors = [self.resolve(p)[0] for p in tensor_pieces]
-            buffer = torch.empty(total, dtype=tensors[0].dtype, device=tensors[0].device)
+            buffer = self._view(i, total, tensors[0])
             if self.rank == leader:
                 ops.pack_segments(tensors, self.prepared.get((i, "pack"), tensors, table, buffer), buffer)
             self.comm.broadcast(buffer, leader, self.quantity)
             if len(keep_table) and not self.comm.simulated:
-                ones = torch.ones(len(keep_table), dtype=torch.float32)
-                ops.unpack_average_(tensors, self.prepared.get((i, "unpack"), tensors, keep_table, buffer, ones), buffer)
+                ops.unpack_average_(tensors, self.prepared.get((i, "unpack"), tensors, keep_table, buffer, ones),
+                                    buffer)

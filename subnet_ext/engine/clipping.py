@@ -91,8 +91,12 @@ def synchronised_grad_norm(sdp, norm_type: float = 2.0) -> torch.Tensor:
         return local
     inf = math.isinf(norm_type)
     flag = (local if inf else local.pow(norm_type)).reshape(1).to(_reduce_device(sdp, device))
-    collectives.all_reduce(flag, sdp.process_group, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
-                           timeout=sdp.timeout)
+    # In the step: the engine's world group (made with its timeout), no host deadline, so
+    # on NCCL the host does not wait for the norm (collectives.wait_in_stream_order).
+    work = dist.all_reduce(flag, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=sdp._comm.world_group,
+                           async_op=True)
+    collectives.wait_in_stream_order(work, "all_reduce (gradient norm)",
+                                     collectives.describe_group(range(sdp.world_size), sdp.world_size), sdp.timeout)
     total = flag[0] if inf else flag[0].pow(1.0 / norm_type)
     return total.to(device)
 

@@ -24,22 +24,22 @@ the buckets then hold the units only. Not with simulate_rank, sync_every > 1 or 
 """
 from __future__ import annotations
 
-import contextlib
 import weakref
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ..comm.averaging import BucketedAverager
 from ..comm.refresh import CopyRefresher
 from ..planning.buckets import DEFAULT_BUCKET_CAP_MB, build_buckets
 from ..comm.communicator import CommCounter, Communicator, SimulatedCommunicator
 from ..comm import collectives
+from ..comm.call_check import CallLedger, collective_method
 from ..state import consistency
 from . import clipping, evaluation, guard, reports
-from ..state import optim_state
+from ..state import full_optim_state
 from ..comm.collectives import as_timedelta
 from ..planning.costs import DEFAULT_LATENCY_BYTES, choose_strategy
 from ..planning.pieces import global_pieces
@@ -50,11 +50,14 @@ from ..state.assembly import assemble, load_pieces
 from ..state.layout import RankLayout
 from .residual_scale import check_residual_scale, scale_full_state
 from .restore import meta_skeleton, restore_structure
+from .ddp_interface import DDPInterface
+from .optimizer_guard import OptimizerGuard
+from .state_dict_guard import install_state_dict_guard
 from .setup import REGIMES, SCALES, check_arguments, weak_call, world_and_rank  # noqa: F401
 from .sharding import SharedShards
 from .surgery import attach_direct_gradients, materialise_forward, prepare_backward
 
-class SubnetDataParallel(nn.Module):
+class SubnetDataParallel(DDPInterface, nn.Module):
     """Wraps `model` (modified in place) so this rank trains its subnetwork of `plan`.
 
     Args:
@@ -106,6 +109,7 @@ class SubnetDataParallel(nn.Module):
         first = next(iter(model.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
         self._sync_initial_state(model)
+        self._optimizer_guard = OptimizerGuard(model)  # the Parameters an optimizer built before wrapping holds
         self.__dict__["_skeleton"] = meta_skeleton(model)  # not a submodule: no state of its own
 
         pieces = global_pieces(plan)
@@ -131,6 +135,12 @@ class SubnetDataParallel(nn.Module):
                 model, self.layout.piece_params, self._averager.direct_gradient_view,
                 weak_call(weakref.ref(self), lambda engine, piece: engine._averager.on_grad_ready((piece,))))
         self.optimizer_steps = 0
+        self._install_hooks(model, shard_shared)
+
+    def _install_hooks(self, model: nn.Module, shard_shared: bool) -> None:
+        """Gradient-ready and optimizer-step hooks, and what meets a DDP script's habits: an
+        optimizer built before wrapping is refused at its first step, the wrapped model's own
+        state_dict() does not pass for the model's, collective methods are called in one order."""
         for p in self._trainable:
             self._hooks.append(p.register_post_accumulate_grad_hook(
                 weak_call(weakref.ref(self), lambda engine, param: engine._averager.on_param_grad_ready(param))))
@@ -142,7 +152,13 @@ class SubnetDataParallel(nn.Module):
         step_hook = register_optimizer_step_post_hook(
             weak_call(weakref.ref(self), SubnetDataParallel._on_optimizer_step))
         weakref.finalize(self, step_hook.remove)
-        self._hooks.append(step_hook)
+        self._optimizer_guard.attach(self._trainable_ids, self.rank, model)
+        guard_hook = register_optimizer_step_pre_hook(self._optimizer_guard)  # holds no engine reference
+        weakref.finalize(self, guard_hook.remove)
+        self._hooks += [step_hook, guard_hook] + install_state_dict_guard(model, self.plan, self.rank, shard_shared)
+        # Every rank calls the collective methods in one order: checked on a gloo group of its own.
+        self.call_ledger = CallLedger(self.process_group, self.world_size, self.rank, self.timeout,
+                                      not self.simulated, weak_call(weakref.ref(self), SubnetDataParallel._progress))
 
     def _setup_communication(self, strategy, latency_bytes, bucket_cap_bytes, overlap, timeout) -> None:
         """Strategy (cost model), bucket layout, process groups (or their simulation), averager."""
@@ -188,6 +204,9 @@ class SubnetDataParallel(nn.Module):
             return
         self.after_step()
 
+    def _progress(self) -> str:
+        return f"after {self.optimizer_steps} optimizer steps"
+
     def after_step(self) -> None:
         """Called after each optimizer step (automatically for torch.optim optimizers)."""
         self._check_open("after_step")
@@ -213,42 +232,19 @@ class SubnetDataParallel(nn.Module):
             self.shared_shards.module.reshard()  # no backward will reshard the gathered shared parameters
         return out
 
-    def no_sync(self):
-        """Gradient accumulation without communication, as torch DDP's `no_sync()`.
-
-        Backward passes run inside the context only accumulate into `.grad`; the first
-        backward after it averages the accumulated sum among owners as usual:
-
-            with sdp.no_sync():
-                loss_fn(sdp(x0), y0).backward()
-            loss_fn(sdp(x1), y1).backward()   # averages grad(x0) + grad(x1)
-            optimizer.step()
-        """
-        self._check_open("no_sync")
-        if self.shared_shards is None:
-            return self._averager.no_sync()
-        stack = contextlib.ExitStack()
-        stack.enter_context(self._averager.no_sync())
-        stack.enter_context(self.shared_shards.no_sync())
-        return stack
-
-    def parameters(self, recurse: bool = True):
-        """What the optimizer must update: this rank's owned (and shared) parameters."""
-        self._check_open("parameters")
-        return iter(self._trainable)
-
-    def full_state_dict(self, residual_scale=None) -> dict:
-        """The whole model's state dict (original names and shapes), identical on every rank.
-        residual_scale="owner_fraction" (block level) scales each block's residual branches by
-        owners / K in the weights, stochastic depth's test-time rule (see residual_scale.py).
-
-        Collective: every rank must call it."""
+    @collective_method(agree=("rank0_only",))
+    def full_state_dict(self, rank0_only: bool = False, cpu_offload: bool = False, residual_scale=None) -> dict:
+        """The whole model's state dict (original names and shapes), identical on every rank, or with
+        FSDP's `rank0_only` on rank 0 alone ({} elsewhere, which hold one bounded chunk at a time), on
+        the CPU with `cpu_offload`. residual_scale="owner_fraction" (block level) scales each block's
+        residual branches by owners / K in the weights (residual_scale.py). Collective: every rank
+        must call it. See state/full_gather.py."""
         self._check_open("full_state_dict")
         self._refuse_if_simulated("full_state_dict")
         check_residual_scale(residual_scale)
         full = with_aliases(self.plan, assemble(self.layout, reduce=True, process_group=self.process_group,
-                                                timeout=self.timeout))
-        return scale_full_state(full, self.plan, self._skeleton, residual_scale)
+                                                timeout=self.timeout, rank0_only=rank0_only, cpu_offload=cpu_offload))
+        return scale_full_state(full, self.plan, self._skeleton, residual_scale) if full else full
 
     def local_full_state_dict(self) -> dict:
         """This rank's values in the original names and shapes, NaN where it holds nothing."""
@@ -264,18 +260,24 @@ class SubnetDataParallel(nn.Module):
         self._check_open("load_full_state_dict")
         load_pieces(self.layout, without_aliases(self.plan, state_dict))
 
-    def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
-        """The optimizer's state in the original names and shapes, identical on every rank:
-        {"state": {name: {"exp_avg": tensor, ..., "step": 0-d}}, "param_groups": [...]}.
-        Loads on any plan of the same model. Collective. See optim_state.py."""
+    @collective_method(agree=("rank0_only",))
+    def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, rank0_only: bool = False,
+                                  cpu_offload: bool = False) -> dict:
+        """The optimizer state in torch's full format (get_optimizer_state_dict(..., full_state_dict=True)
+        of DDP/FSDP2): {"state": {name: {"exp_avg": [param shape], ..., "step": 0-d}}, "param_groups":
+        [{..., "params": [name, ...]}]}; options as full_state_dict's. Collective. See state/full_optim_state.py."""
         self._check_open("full_optimizer_state_dict")
-        return optim_state.full_optimizer_state_dict(self.layout, optimizer, self.process_group, self.timeout)
+        return full_optim_state.full_optimizer_state_dict(self.layout, optimizer, self.process_group, self.timeout,
+                                                          rank0_only, cpu_offload)
 
-    def load_full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        """Give `optimizer` (over this engine's parameters) its share of a full optimizer state."""
+    def load_full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict,
+                                       strict: bool = True) -> None:
+        """Give `optimizer` (over this engine's parameters) its share of a full optimizer state
+        (SDP's, or torch's full one from DDP/FSDP2); `strict=False` as torch's option."""
         self._check_open("load_full_optimizer_state_dict")
-        optim_state.load_full_optimizer_state_dict(self.layout, optimizer, state)
+        full_optim_state.load_full_optimizer_state_dict(self.layout, optimizer, state, strict)
 
+    @collective_method
     def verify_consistency(self) -> None:
         """Raise ConsistencyError naming the unit and the ranks unless the owners of every
         unit hold bit-identical values. Collective; call it at a synchronisation point."""
@@ -296,28 +298,32 @@ class SubnetDataParallel(nn.Module):
         gradients' norm (local SGD). See clipping.py."""
         return clipping.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite, foreach)
 
+    @collective_method
     def full_model(self, residual_scale=None) -> nn.Module:
         """A new, unmasked model holding the assembled full state, ties kept (collective);
         residual_scale as full_state_dict's."""
         self._check_open("full_model")
-        return evaluation.full_model(self._skeleton, self.plan, self.full_state_dict(residual_scale))
+        return evaluation.full_model(self._skeleton, self.plan, self.full_state_dict(residual_scale=residual_scale))
 
+    @collective_method
     @torch.no_grad()
-    def evaluate(self, *inputs, modes=("full", "ensemble"), residual_scale=None) -> dict:
-        """{"full": the union of subnetworks' output (residual_scale as full_state_dict's),
-        "ensemble": mean of the ranks' subnetwork outputs (one all-reduce)}, each float32
-        [*, out]. Collective; runs in eval mode and restores the mode."""
+    def evaluate(self, *inputs, modes=("full", "ensemble"), loss_fn=None, targets=(), residual_scale=None) -> dict:
+        """{mode: output}, each the model's output structure (tensors in tuples, lists, dicts,
+        dataclasses, ModelOutputs), floating tensors as float32 (e.g. logits [B, C]):
+        "full": the union of subnetworks; "ensemble": the ranks' subnetwork outputs averaged
+        (one all-reduce); "subnetwork": this rank's own. With loss_fn(output, *targets) ->
+        scalar also "loss": {"full": 0-d, "ensemble": 0-d (of the averaged output),
+        "subnetworks": [K], rank r's own at r (NaN for ranks a simulated engine lacks)}.
+        residual_scale: of "full", as full_state_dict's. Collective; eval mode, restored. See evaluation.py."""
         self._check_open("evaluate")
         check_residual_scale(residual_scale)
-        bad = [m for m in modes if m not in ("full", "ensemble")]
-        if bad:
-            raise ValueError(f"evaluate modes must be 'full' and/or 'ensemble', got {bad}")
-        if "full" in modes:
+        if "full" in evaluation.check_request(modes, loss_fn, targets)[0]:
             self._refuse_if_simulated("evaluate(modes=('full', ...))")
         communicate = self.world_size > 1 and not self.simulated  # simulated: its own subnetwork alone
         out = evaluation.evaluate(self.module, self._skeleton, self.plan, inputs, modes,
-                                  lambda: self.full_state_dict(residual_scale),
-                                  mean_over=(communicate, self.process_group, self.world_size, self.timeout))
+                                  lambda: self.full_state_dict(residual_scale=residual_scale),
+                                  (communicate, self.process_group, self.world_size, self.rank, self.timeout),
+                                  loss_fn, targets)
         if self.shared_shards is not None:
             self.shared_shards.module.reshard()  # the no-grad forward left them gathered
         return out
@@ -340,13 +346,13 @@ class SubnetDataParallel(nn.Module):
         """Bytes this rank holds: parameters, gradients, optimizer state, buffers.
 
         Shared storage (owned views of full tensors) counts once. `model_state` =
-        parameters + gradients + optimizer state. A gradient the masked kernel writes
-        straight into a communication bucket counts its own bytes as a gradient (not the
-        whole bucket); `communication_buffers` counts the buckets whole, so the two
-        overlap by `gradients_in_buffers`."""
+        parameters + gradients + optimizer state. A gradient that lives in a communication
+        bucket (comm/averaging.py) counts its own bytes as a gradient (not the whole
+        bucket); `communication_buffers` counts the buckets whole, so the two overlap by
+        `gradients_in_buffers`; `refresh_buffer`: the backward regime's refresh buffer."""
         self._check_open("memory_report")
         return reports.memory_report(self.module, self.layout.local_tensors(), self._averager, self.device,
-                                     optimizer, self.shared_shards)
+                                     optimizer, self.shared_shards, self._refresh)
 
     def predicted_model_state_bytes(self, optimizer_state_per_param: float = 2.0) -> float:
         """Plan's prediction of parameters + gradients + optimizer state (Adam: 2 x params)."""
@@ -359,6 +365,7 @@ class SubnetDataParallel(nn.Module):
                 f"coverage={self.plan.coverage}, sync_every={self.sync_every}, strategy={self.strategy!r}, "
                 f"shard_shared={self.shared_shards is not None}")
 
+    @collective_method
     def close(self) -> None:
         """Give the wrapped model back as it was before wrapping, holding the trained values.
 
@@ -375,6 +382,7 @@ class SubnetDataParallel(nn.Module):
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self.call_ledger.close()
         restore_structure(self.module, self._skeleton, self.device)
         self.module.load_state_dict(full)
         self._closed = True

@@ -30,35 +30,47 @@ class TooManySkippedSteps(RuntimeError):
     """More steps were skipped for non-finite gradients than allowed; raised on every rank."""
 
 
-def local_gradients_finite(parameters: Iterable[torch.Tensor]) -> bool:
-    """True when every gradient this rank holds is finite (parameters without .grad pass)."""
+def nonfinite_flag(parameters: Iterable[torch.Tensor]) -> torch.Tensor | None:
+    """1.0 when some gradient holds an inf or NaN, else 0.0: a 0-d float32 tensor on the
+    first gradient's device, computed there without a host read (one multi-tensor max |g|
+    per device and dtype, which propagates NaN, then one reduction). None without any
+    gradient element (parameters without .grad are skipped; a DTensor counts its local
+    shard)."""
     grads = []
     for p in parameters:
         g = p.grad
         if g is None:
             continue
-        grads.append(g.to_local() if hasattr(g, "to_local") else g)  # DTensor (FSDP): the local shard
+        g = g.to_local() if hasattr(g, "to_local") else g  # DTensor (FSDP): the local shard
+        if g.numel():  # an empty one has no max |g| (and nothing to be non-finite)
+            grads.append(g)
     if not grads:
-        return True
-    bad = torch.zeros((), dtype=torch.bool, device=grads[0].device)
-    for g in grads:
-        bad |= ~torch.isfinite(g).all().to(bad.device)
-    return not bool(bad)
+        return None
+    device = grads[0].device
+    peaks = torch._foreach_norm(grads, float("inf"))
+    return (~torch.stack([m.to(device, torch.float32) for m in peaks]).isfinite().all()).float()
+
+
+def local_gradients_finite(parameters: Iterable[torch.Tensor]) -> bool:
+    """True when every gradient this rank holds is finite (parameters without .grad pass)."""
+    flag = nonfinite_flag(parameters)
+    return flag is None or flag.item() == 0.0
 
 
 def gradients_finite(parameters: Iterable[torch.Tensor], group=None, timeout: float | None = None,
                      device: torch.device | None = None) -> bool:
     """True when the gradients are finite on *every* rank of `group` (one all-reduce of a
-    flag). Collective: every rank must call it at the same point of the step."""
+    flag, and one read of it to the host). Collective: every rank must call it at the same
+    point of the step."""
     parameters = list(parameters)
-    finite = local_gradients_finite(parameters)
+    flag = nonfinite_flag(parameters)
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return finite
+        return flag is None or flag.item() == 0.0
     if device is None:
-        device = next((p.device for p in parameters), torch.device("cpu"))
+        device = flag.device if flag is not None else next((p.device for p in parameters), torch.device("cpu"))
         if dist.get_backend(group) == "gloo":
             device = torch.device("cpu")
-    flag = torch.tensor([0.0 if finite else 1.0], device=device)
+    flag = (flag if flag is not None else torch.zeros(())).reshape(1).to(device)
     collectives.all_reduce(flag, group, op=dist.ReduceOp.MAX, timeout=timeout)
     return bool(flag.item() == 0.0)
 

@@ -56,7 +56,7 @@ def _storage_counter():
 
 
 def memory_report(module: nn.Module, extra_params: list, averager, device: torch.device, optimizer=None,
-                  shared_shards=None) -> dict:
+                  shared_shards=None, refresh=None) -> dict:
     """Bytes one rank holds; see SubnetDataParallel.memory_report.
 
     Args:
@@ -66,6 +66,8 @@ def memory_report(module: nn.Module, extra_params: list, averager, device: torch
         optimizer: counts its tensor state when given.
         shared_shards: the engine's SharedShards (shard_shared=True): DTensors count their
             local shard, and "sharded_shared" reports the shards' parameter bytes.
+        refresh: the backward regime's CopyRefresher: "refresh_buffer" is its persistent
+            buffer (0 before the first refresh; None in the forward regime).
     """
     nbytes = _storage_counter()
     params = nbytes([local_tensor(p) for p in module.parameters()] + list(extra_params))
@@ -87,6 +89,7 @@ def memory_report(module: nn.Module, extra_params: list, averager, device: torch
             "model_state": params + grads + state, "peak_allocated": peak,
             "communication_buffers": averager.buffer_bytes,
             "gradients_in_buffers": in_buffer_bytes,
+            "refresh_buffer": refresh.buffer_bytes if refresh is not None else None,
             "sharded_shared": shared_shards.local_bytes() if shared_shards is not None else None}
 
 

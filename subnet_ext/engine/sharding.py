@@ -62,9 +62,10 @@ class SharedShards:
         """The sharded Parameters (DTensors), in plan order."""
         return [self.layout.value_of(n) for n in self.names]
 
-    def no_sync(self):
-        """Gradients accumulate unsharded; the next synchronised backward reduce-scatters the sum."""
-        return fsdp_no_sync(self.module)
+    def set_gradient_sync(self, enabled: bool) -> None:
+        """False: gradients accumulate unsharded, without communication; True: the next backward
+        reduce-scatters the accumulated sum (FSDP2's set_requires_gradient_sync)."""
+        self.module.set_requires_gradient_sync(enabled)
 
     def local_bytes(self) -> int:
         """Bytes of this rank's shards of the shared parameters."""

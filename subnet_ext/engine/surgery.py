@@ -139,9 +139,14 @@ class DirectGradient:
 
     def write(self, g2: torch.Tensor, x2: torch.Tensor, rows, cols, last_use: bool = True) -> None:
         """Add one use's weight gradient (g2 [N, out], x2 [N, in]) into the bucket view;
-        readiness is reported only after the last use of this forward (weight sharing)."""
+        readiness is reported only after the last use of this forward (weight sharing).
+
+        Under autocast g2 and x2 are fp16/bf16 and the bucket fp32: the kernel gathers the
+        owned rows and columns in the half dtype and multiplies them with fp32 output and
+        accumulation (tensor cores on CUDA), so no fp32 copy of g2 or x2 is made."""
         grad = self.param.grad
-        if g2.dtype != self.view.dtype:  # autocast: half operands, gradient accumulated in the bucket's dtype
+        mixed = g2.dtype in (torch.float16, torch.bfloat16) and self.view.dtype == torch.float32
+        if g2.dtype != self.view.dtype and not mixed:  # any other pairing: the bucket's dtype
             g2, x2 = g2.to(self.view.dtype), x2.to(self.view.dtype)
         if grad is not None and grad.data_ptr() != self.view.data_ptr():
             self.view.copy_(grad)  # a gradient put there by someone else: keep accumulating onto it

@@ -17,7 +17,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from .. import _C  # noqa: F401  (loads the library that registers the kernels)
+from .build_info import load_library
+
+load_library()  # the compiled library registers the kernels
 
 __all__ = [
     "masked_linear",
@@ -57,9 +59,11 @@ def masked_linear(
         scatter_width: None → output [*, |R|]; an int W → output [*, W] with the kept
             outputs at columns R and zeros elsewhere.
         check_indices: True validates the index values (in range, distinct; on CUDA one
-            device sync per call). False checks only dtype/dim/device: the CALLER
-            GUARANTEES valid indices (the engine, whose plan validated them once), and the
-            forward and its backward then never synchronise (CUDA-graph capturable).
+            device sync per call). False checks dtype/dim/device and, on CPU, the range
+            (one pass, a ValueError); on CUDA an index out of range trips a device assert
+            (the CUDA context is lost). The CALLER GUARANTEES distinct, in-range indices
+            (the engine, whose plan validated them once), and the forward and its backward
+            then never synchronise (CUDA-graph capturable).
     Returns:
         [*, |R|] or [*, scatter_width], dtype of x.
     """
@@ -126,7 +130,9 @@ def masked_linear_grad_weight_(
 
     Args:
         out: [|R|, |S|]; may be a view of a flat communication buffer
-            (e.g. `flat[off:off + r * s].view(r, s)`).
+            (e.g. `flat[off:off + r * s].view(r, s)`). The dtype of grad_out and x, or
+            float32 when they are fp16/bf16: the owned block is gathered in that dtype and
+            multiplied with fp32 output and accumulation (no fp32 copy of grad_out or x).
         grad_out: [*, |R|], or [*, W] when grad_out_full. x: [*, I_x].
         accumulate: add to out instead of overwriting it.
         check_indices: as in `masked_linear` (False: the caller guarantees the indices).
@@ -135,15 +141,19 @@ def masked_linear_grad_weight_(
                                             check_indices)
 
 
-def segment_table(rectangles: Sequence[Sequence[int]], start: int = 0):
+def segment_table(rectangles: Sequence[Sequence[int]], start: int = 0, align: int = 1):
     """Segments for consecutive rectangles in a buffer.
 
     Args:
         rectangles: (tensor_index, row_begin, row_end, col_begin, col_end) each.
         start: buffer offset of the first rectangle.
+        align: each rectangle starts at a multiple of this many elements (16 bytes //
+            element size: the packing kernels' vector path); the gaps are never written.
     Returns:
-        (segments int64 CPU [S, 6], end offset = start + total elements).
+        (segments int64 CPU [S, 6], end offset = where the last rectangle ends).
     """
+    if isinstance(align, bool) or not isinstance(align, int) or align < 1:
+        raise ValueError(f"segment_table: align must be an int >= 1 (elements), got {align!r}")
     rows = []
     offset = int(start)
     for rect in rectangles:
@@ -152,6 +162,7 @@ def segment_table(rectangles: Sequence[Sequence[int]], start: int = 0):
         t, r0, r1, c0, c1 = (int(v) for v in rect)
         if r1 < r0 or c1 < c0:
             raise ValueError(f"segment_table: rectangle {tuple(rect)!r} has a negative extent")
+        offset = -(-offset // align) * align
         rows.append((t, r0, r1, c0, c1, offset))
         offset += (r1 - r0) * (c1 - c0)
     table = torch.tensor(rows, dtype=torch.int64) if rows else torch.empty(0, 6, dtype=torch.int64)

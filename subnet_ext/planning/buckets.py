@@ -33,6 +33,17 @@ DEFAULT_BUCKET_CAP_MB = 25.0  # torch DDP's default
 PIECE_ALIGN_BYTES = 16  # the packing kernels' vector width (one 128-bit load/store)
 
 
+def align_elements(element_size: int) -> int:
+    """Elements per PIECE_ALIGN_BYTES: where a packed piece of this element size may start."""
+    return max(1, PIECE_ALIGN_BYTES // element_size)
+
+
+def aligned_offset(offset: int, element_size: int) -> int:
+    """The first offset >= `offset` (elements) at a multiple of PIECE_ALIGN_BYTES bytes."""
+    align = align_elements(element_size)
+    return -(-offset // align) * align
+
+
 @dataclass
 class Bucket:
     """One packed collective.
@@ -63,8 +74,7 @@ class Bucket:
 
     def append(self, piece: Piece, numel: int) -> None:
         """Add `piece` (`numel` elements) at the next offset aligned to PIECE_ALIGN_BYTES."""
-        align = max(1, PIECE_ALIGN_BYTES // self.element_size)  # elements per 16 bytes
-        offset = -(-self.numel // align) * align
+        offset = aligned_offset(self.numel, self.element_size)
         self.pieces.append(piece)
         self.offsets.append(offset)
         self.numel = offset + numel

@@ -12,14 +12,14 @@ the prediction equals the communicator's count.
 Ring all-reduce moves 2(|S|-1)/|S| of a buffer per rank: that is `ring_bytes`, what
 the strategy choice minimises (plus a per-collective latency expressed in bytes).
 The backward regime adds the refresh: one broadcast per leader rank (the lowest owner)
-of the units it leads that some rank does not hold.
+and dtype of the units it leads that some rank does not hold (pieces 16-byte aligned too).
 """
 from __future__ import annotations
 
-from collections import defaultdict
+import torch
 
-
-from .buckets import DEFAULT_BUCKET_CAP_MB, build_buckets
+from .buckets import DEFAULT_BUCKET_CAP_MB, aligned_offset, build_buckets, piece_numel
+from .pieces import global_pieces
 from .plan import SubnetPlan
 from .sharding import communicated_pieces
 
@@ -65,14 +65,21 @@ def predicted_comm(plan: SubnetPlan, rank: int, strategy: str, regime: str = "fo
 
 
 def refresh_bytes(plan: SubnetPlan) -> tuple[float, int]:
-    """Backward regime: bytes every rank hands to the leaders' broadcasts, and their number."""
-    per_leader, dtypes = defaultdict(float), defaultdict(set)
-    per_unit = plan.unit_bytes + plan.unit_buffer_bytes
-    for u, (s, dt) in enumerate(zip(plan.unit_owner_sets(), _unit_dtypes(plan))):
-        if len(s) < plan.world_size:
-            per_leader[s[0]] += float(per_unit[u])
-            dtypes[s[0]] |= dt
-    return sum(per_leader.values()), sum(len(dtypes[q]) for q, b in per_leader.items() if b)
+    """Backward regime: bytes every rank hands to the leaders' broadcasts, and their number:
+    one buffer per (leader, dtype) holding the pieces that leader leads and some rank
+    lacks, each at a 16-byte aligned offset, as comm/refresh.py lays them out."""
+    ends = {}  # (leader, dtype) -> end of its buffer, in elements
+    for p in global_pieces(plan):
+        if len(p.owners) < plan.world_size:
+            dtype = plan.tensor_dtypes[p.name]
+            key = (p.owners[0], dtype)
+            ends[key] = aligned_offset(ends.get(key, 0), _element_size(dtype)) + piece_numel(plan, p)
+    sizes = [n * _element_size(dtype) for (_, dtype), n in ends.items() if n]
+    return float(sum(sizes)), len(sizes)
+
+
+def _element_size(dtype: str) -> int:
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
 def choose_strategy(plan: SubnetPlan, requested: str = "auto", latency_bytes: float = DEFAULT_LATENCY_BYTES,

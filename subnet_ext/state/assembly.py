@@ -1,58 +1,76 @@
 """Full-model state from the ranks' pieces, and pieces from a full state.
 
 `assemble` builds every entry of the original state dict: each piece is written by its
-leader (its lowest-ranked owner) into zeros and one all-reduce per dtype sums them, so
-the result is bit-exact (x + 0 = x) and identical on every rank. With `reduce=False`
-every held piece is written into a NaN-filled tensor instead: this rank's own view.
+leader (its lowest-ranked owner) into zeros and the ranks' contributions are summed
+(full_gather.py: one collective per bounded chunk), so the result is bit-exact (x + 0 = x)
+and identical on every rank — or, with `rank0_only`, held by rank 0 alone while the other
+ranks never hold more than one chunk. With `reduce=False` every held piece is written into
+a NaN-filled tensor instead: this rank's own view.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from ..comm.collectives import all_reduce_by_dtype, describe_group
+from ..comm.collectives import describe_group
 from ..ops.reference import as_2d
+from .full_gather import FullEntry, check_options, sum_gather
 
 
 def _narrow(t: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
     return t.view(1) if t.dim() == 0 else t.narrow(dim, start, length)
 
 
-def assemble(layout, reduce: bool = True, process_group=None, timeout: float | None = None) -> dict:
+def assemble(layout, reduce: bool = True, process_group=None, timeout: float | None = None,
+             rank0_only: bool = False, cpu_offload: bool = False) -> dict:
     """{original name: tensor of the original shape}; see the module docstring.
 
     Args:
         layout: this rank's RankLayout.
         reduce: True sums the leaders' pieces over `process_group` (collective); False
             returns this rank's own view (NaN where it holds nothing), no communication.
-        timeout: seconds the all-reduce may take (None: the group's own timeout).
+        timeout: seconds each collective may take (None: the group's own timeout).
+        rank0_only, cpu_offload (reduce only): group rank 0 alone gets the state (every other
+            rank {}); the returned tensors are on the CPU. As FSDP's full state dict options.
     """
-    plan, rank = layout.plan, layout.rank
+    check_options("full_state_dict", rank0_only, cpu_offload)
+    plan = layout.plan
+    by_name = {}
+    for p in layout.pieces:
+        by_name.setdefault(p.name, []).append(p)
+    if reduce:
+        entries = [FullEntry(n, shape, getattr(torch, plan.tensor_dtypes[n]))
+                   for n, shape in plan.tensor_shapes.items()]
+        return sum_gather(entries, lambda name, target: _write_held(layout, by_name.get(name, ()), name, target, True),
+                          layout.device, process_group, timeout, rank0_only, cpu_offload,
+                          communicate=layout.world_size > 1 and dist.is_initialized(),
+                          label=describe_group(range(layout.world_size), layout.world_size))
     out = {}
-    for name, shape in plan.tensor_shapes.items():
-        dtype = getattr(torch, plan.tensor_dtypes[name])
-        fill = float("nan") if (not reduce and plan.is_float(name)) else 0
-        out[name] = torch.full(shape, fill, dtype=dtype, device=layout.device)
     with torch.no_grad():
-        for p in layout.pieces:
-            if layout.is_sharded(p):  # every rank writes its own rows (disjoint): the sum is exact
-                _write_shard(layout, p, out[p.name])
-                continue
-            if not layout.owns(p) or (reduce and p.leader != rank):
-                continue
-            local = layout.value_of(p.name)
-            _narrow(out[p.name], p.dim, p.start, p.length).copy_(
-                _narrow(local, p.dim, layout.local_start[p], p.length))
-        for name, leader in layout.integer_entries.items():
-            if leader == rank or (not reduce and layout.holds_whole(name)):
-                out[name].copy_(layout.value_of(name))
-    if reduce and layout.world_size > 1 and dist.is_initialized():
-        names = list(out)
-        reduced = all_reduce_by_dtype([out[n] for n in names], process_group, timeout=timeout,
-                                      label=describe_group(range(layout.world_size), layout.world_size),
-                                      operation="all_reduce (full state)")
-        out = dict(zip(names, reduced))
+        for name, shape in plan.tensor_shapes.items():
+            dtype = getattr(torch, plan.tensor_dtypes[name])
+            out[name] = torch.full(shape, float("nan") if plan.is_float(name) else 0, dtype=dtype,
+                                   device=layout.device)
+            _write_held(layout, by_name.get(name, ()), name, out[name], False)
     return out
+
+
+def _write_held(layout, pieces, name: str, target: torch.Tensor, leaders_only: bool) -> None:
+    """Write this rank's values of entry `name` into `target` (full shape): the pieces it owns
+    (only those it leads when `leaders_only`), its rows of a sharded parameter, and an
+    integer entry it reports (or, not `leaders_only`, any it holds)."""
+    rank = layout.rank
+    for p in pieces:
+        if layout.is_sharded(p):  # every rank writes its own rows (disjoint): the sum is exact
+            _write_shard(layout, p, target)
+            continue
+        if not layout.owns(p) or (leaders_only and p.leader != rank):
+            continue
+        local = layout.value_of(p.name)
+        _narrow(target, p.dim, p.start, p.length).copy_(_narrow(local, p.dim, layout.local_start[p], p.length))
+    leader = layout.integer_entries.get(name)
+    if leader is not None and (leader == rank or (not leaders_only and layout.holds_whole(name))):
+        target.copy_(layout.value_of(name))
 
 
 def _write_shard(layout, piece, full: torch.Tensor) -> None:

@@ -26,6 +26,7 @@ import warnings
 
 import torch.distributed as dist
 
+from ..comm.call_check import checked_call
 from .manifest import (MANIFEST, CorruptCheckpoint, check_files, file_digest, fsync_dir, list_files, read_manifest,
                        write_manifest)
 from .manifest import atomic_write as _atomic_write
@@ -291,11 +292,12 @@ def save_subnet_checkpoint(save_dir: str, step: int, sdp, optimizer=None, manife
     same model (another world size, coverage, level or regime)."""
     from .optim_state import hyperparameters, sharded_state_dict
 
-    tensors, info = sharded_state_dict(sdp.layout, optimizer, sdp.process_group)
-    body = {**(manifest or {}), "plan": sdp.plan.to_json(), "sdp": info,
-            "optimizer": {"param_groups": hyperparameters(optimizer) if optimizer is not None else []}}
-    return save_checkpoint(save_dir, step, tensors, body, group=sdp.process_group, keep_last=keep_last,
-                           extra_files=extra_files, per_rank=per_rank)
+    with checked_call(sdp, "save_subnet_checkpoint"):  # every rank, in the order of the engine's collectives
+        tensors, info = sharded_state_dict(sdp.layout, optimizer, sdp.process_group)
+        body = {**(manifest or {}), "plan": sdp.plan.to_json(), "sdp": info,
+                "optimizer": {"param_groups": hyperparameters(optimizer) if optimizer is not None else []}}
+        return save_checkpoint(save_dir, step, tensors, body, group=sdp.process_group, keep_last=keep_last,
+                               extra_files=extra_files, per_rank=per_rank)
 
 
 def load_subnet_checkpoint(path: str, sdp, optimizer=None, *, verified_manifest: dict | None = None) -> dict:
@@ -307,6 +309,11 @@ def load_subnet_checkpoint(path: str, sdp, optimizer=None, *, verified_manifest:
     Raises:
         CheckpointError: no good checkpoint. ValueError: a checkpoint of another model.
     """
+    with checked_call(sdp, "load_subnet_checkpoint"):
+        return _load_subnet_checkpoint(path, sdp, optimizer, verified_manifest)
+
+
+def _load_subnet_checkpoint(path: str, sdp, optimizer, verified_manifest: dict | None) -> dict:
     from .optim_state import load_hyperparameters, load_sharded_state_dict
     from ..planning.plan import SubnetPlan
 

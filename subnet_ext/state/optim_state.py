@@ -1,15 +1,12 @@
 """Parameters and optimizer state in the full model's coordinates: saved by one plan,
 loaded by any other (world size, coverage, level, regime).
 
-Two forms:
-- *full* (`full_optimizer_state_dict`): {"state": {original name: {"exp_avg": tensor of
-  the original shape, ..., "step": 0-d tensor}}, "param_groups": [hyperparameters]},
-  identical on every rank — the optimizer's counterpart of `full_state_dict()`;
-- *sharded* (`sharded_state_dict`): each piece saved once, by its leader, under
-  "model/<piece key>" and "optim/<state key>/<piece key>" as [rows, cols] tensors of its
-  full rectangle — what torch.distributed.checkpoint writes, each rank its own pieces.
-  `load_sharded_state_dict` takes the plan that saved them and reads, for each piece
-  this rank now holds, the saved pieces overlapping it (held_pieces.py).
+Here the *sharded* form (`sharded_state_dict`): each piece saved once, by its leader,
+under "model/<piece key>" and "optim/<state key>/<piece key>" as [rows, cols] tensors of
+its full rectangle — what torch.distributed.checkpoint writes, each rank its own pieces.
+`load_sharded_state_dict` takes the plan that saved them and reads, for each piece this
+rank now holds, the saved pieces overlapping it (held_pieces.py). The *full* form, torch's
+full optimizer state dict, is in full_optim_state.py.
 
 Optimizer state: a tensor entry shaped like its parameter (exp_avg, exp_avg_sq,
 momentum_buffer, ...) is sliced like the parameter; a 0-d entry (Adam's step) is kept
@@ -22,10 +19,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..comm import collectives
 from ..planning.pieces import full_rectangle, global_pieces, rectangle
 from .held_pieces import (area, as_2d, copy_overlaps, held_optimizer_pieces, held_values, local_tensor, overlapping,
-                          piece_key, writes)
+                          piece_key)
 
 MODEL, OPTIM = "model/", "optim/"
 SHARED = "shared/"  # key of a sharded shared parameter (one DTensor, each rank its shard)
@@ -60,7 +56,8 @@ def _all_entry_shapes(optimizer, params, group) -> dict:
     return dict(sorted(entry_shapes.items()))
 
 
-def _scalar(value) -> torch.Tensor:
+def scalar_value(value) -> torch.Tensor:
+    """A 0-d CPU tensor copy of scalar optimizer state (a 0-d tensor or a number)."""
     return value.detach().cpu().clone() if torch.is_tensor(value) else torch.tensor(float(value))
 
 
@@ -105,7 +102,7 @@ def _new_state(optimizer, param, entry_shapes: dict, step_dtype=torch.float32) -
     return state
 
 
-def _ensure_state(optimizer, held, entry_shapes) -> None:
+def ensure_state(optimizer, held, entry_shapes) -> None:
     """Every held piece's parameter gets state with every key (contiguous tensors, to be filled)."""
     for s in held:
         state = optimizer.state.get(s.param)
@@ -117,90 +114,6 @@ def _ensure_state(optimizer, held, entry_shapes) -> None:
                 state.update({key: _new_state(optimizer, s.param, {key: entry_shape})[key]})
             elif entry_shape == "tensor" and not state[key].is_contiguous():
                 state[key] = state[key].contiguous()
-
-
-# ----------------------------------------------------------------------------- full form
-def full_optimizer_state_dict(layout, optimizer, process_group=None, timeout: float | None = None) -> dict:
-    """{"state": {name: {key: full tensor or 0-d}}, "param_groups": [...]}, identical on every rank.
-
-    `layout`: this rank's RankLayout. Collective over `process_group`: the leader of each piece writes it into zeros and
-    one all-reduce per dtype sums them (bit-exact, like full_state_dict); scalars are
-    reduced with MAX. Every float parameter of the plan has an entry (zeros where no rank
-    has state for it); buffers have none."""
-    held = held_optimizer_pieces(layout, optimizer)
-    entry_shapes = _all_entry_shapes(optimizer, [s.param for s in held], process_group)
-    names = [n for n in layout.plan.tensor_shapes if n in layout.plan.param_names and layout.plan.is_float(n)]
-    tensors, scalars = {}, {}
-    for key, entry_shape in entry_shapes.items():
-        for n in names:
-            if entry_shape == "tensor":
-                dtype = getattr(torch, layout.plan.tensor_dtypes[n])
-                tensors[(key, n)] = torch.zeros(layout.plan.tensor_shapes[n], dtype=dtype, device=layout.device)
-            else:
-                scalars[(key, n)] = 0.0
-    with torch.no_grad():
-        for s in held:
-            state = optimizer.state.get(s.param, {})
-            for key, entry_shape in entry_shapes.items():
-                if key not in state:
-                    continue
-                if entry_shape == "scalar":
-                    scalars[(key, s.piece.name)] = max(scalars[(key, s.piece.name)], float(_scalar(state[key])))
-                elif writes(s, layout):
-                    r0, r1, c0, c1 = s.full
-                    l0, _, m0, _ = s.local
-                    as_2d(tensors[(key, s.piece.name)])[r0:r1, c0:c1].copy_(
-                        as_2d(local_tensor(state[key]))[l0:l0 + r1 - r0, m0:m0 + c1 - c0])
-    if layout.world_size > 1 and dist.is_initialized():
-        keys = list(tensors)
-        tensors = dict(zip(keys, collectives.all_reduce_by_dtype([tensors[k] for k in keys], process_group,
-                                                                 timeout=timeout)))
-        if scalars:
-            keys = list(scalars)
-            flat = torch.tensor([scalars[k] for k in keys], dtype=torch.float64)
-            collectives.all_reduce(flat, process_group, op=dist.ReduceOp.MAX, timeout=timeout)
-            scalars = dict(zip(keys, flat.tolist()))
-    state = {n: {} for n in names}
-    for (key, n), t in tensors.items():
-        state[n][key] = t
-    for (key, n), v in scalars.items():
-        state[n][key] = torch.tensor(v, dtype=torch.float32)
-    return {"state": state if entry_shapes else {}, "param_groups": hyperparameters(optimizer)}
-
-
-def load_full_optimizer_state_dict(layout, optimizer, full: dict) -> None:
-    """Give this rank's optimizer its share of a `full_optimizer_state_dict()` (any plan's).
-    `layout`: this rank's RankLayout.
-
-    Not collective. Raises ValueError when an entry is missing or mis-shaped."""
-    if not isinstance(full, dict) or not isinstance(full.get("state"), dict):
-        raise ValueError("load_full_optimizer_state_dict needs {'state': {name: {key: tensor}}, 'param_groups': ...}")
-    held = held_optimizer_pieces(layout, optimizer)
-    entry_shapes = {}
-    for entries in full["state"].values():
-        for key, value in entries.items():
-            entry_shapes[key] = "tensor" if torch.is_tensor(value) and value.dim() > 0 else "scalar"
-    _ensure_state(optimizer, held, entry_shapes)
-    with torch.no_grad():
-        for s in held:
-            entries = full["state"].get(s.piece.name)
-            if entries is None:
-                raise ValueError(f"the optimizer state has no entry for {s.piece.name!r}")
-            for key, entry_shape in entry_shapes.items():
-                value = entries.get(key)
-                if value is None:
-                    raise ValueError(f"the optimizer state of {s.piece.name!r} lacks {key!r}")
-                if entry_shape == "scalar":
-                    optimizer.state[s.param][key].fill_(float(_scalar(value)))
-                    continue
-                shape = layout.plan.tensor_shapes[s.piece.name]
-                if tuple(value.shape) != tuple(shape):
-                    raise ValueError(f"optimizer state {key!r} of {s.piece.name!r} has shape {tuple(value.shape)}, "
-                                     f"the model {shape}")
-                src = as_2d(value.to(layout.device).contiguous())
-                whole = (0, src.shape[0], 0, src.shape[1])
-                copy_overlaps(local_tensor(optimizer.state[s.param][key]), s.local, s.full, [(whole, src)])
-    load_hyperparameters(optimizer, full.get("param_groups"))
 
 
 # ----------------------------------------------------------------------------- sharded form
@@ -235,7 +148,7 @@ def sharded_state_dict(layout, optimizer=None, process_group=None) -> tuple[dict
             for key, entry_shape in entry_shapes.items():
                 name = f"{OPTIM}{key}/{piece_key(s.piece)}"
                 if entry_shape == "scalar":
-                    out[name] = _scalar(state[key]) if key in state else torch.tensor(0.0)
+                    out[name] = scalar_value(state[key]) if key in state else torch.tensor(0.0)
                 elif key in state:
                     r0, r1, c0, c1 = s.local
                     out[name] = as_2d(state[key].contiguous())[r0:r1, c0:c1].detach().clone()
@@ -253,7 +166,7 @@ def _sharded_optimizer_entries(held_piece, optimizer, entry_shapes: dict, rank: 
         name = f"{OPTIM}{key}/{SHARED}{held_piece.piece.name}"
         if entry_shape == "scalar":
             if rank == 0:
-                out[name] = _scalar(state[key]) if key in state else torch.tensor(0.0)
+                out[name] = scalar_value(state[key]) if key in state else torch.tensor(0.0)
         else:
             out[name] = state[key].detach() if key in state else torch.zeros_like(held_piece.param).detach()
     return out
@@ -309,7 +222,7 @@ def load_sharded_state_dict(layout, optimizer, saved_plan, info: dict, available
     entry_shapes = info.get("optimizer_state", {}) if optimizer is not None else {}
     optimizer_pieces = held_optimizer_pieces(layout, optimizer) if entry_shapes else []
     if entry_shapes:
-        _ensure_state(optimizer, optimizer_pieces, entry_shapes)
+        ensure_state(optimizer, optimizer_pieces, entry_shapes)
         for s in optimizer_pieces:
             for _, key, _ in overlapping(s.full, saved[s.piece.name]):
                 for k in entry_shapes:

@@ -1,0 +1,73 @@
+"""The part of SubnetDataParallel that a torch DDP training script talks to.
+
+parameters() / named_parameters() (what the optimizer must hold, built after wrapping),
+no_sync() and DDP's `require_backward_grad_sync` attribute (gradient accumulation without
+communication). A mixin, as FSDP2's `FSDPModule` is for `fully_shard`: the engine holds
+the state, this class gives it DDP's names. It reads from the engine:
+`_trainable` (the Parameters this rank trains, in model order) and `_trainable_ids`,
+`module` (the wrapped model), `_averager.sync_enabled` (whether a backward's gradients are
+averaged), `shared_shards` (FSDP2 over the shared parameters, or None) and `_check_open`.
+"""
+from __future__ import annotations
+
+import contextlib
+
+
+class DDPInterface:
+    """parameters(), named_parameters(), no_sync() and require_backward_grad_sync, as torch DDP's."""
+
+    def parameters(self, recurse: bool = True):
+        """What the optimizer must update: this rank's owned (and shared) parameters."""
+        self._check_open("parameters")
+        return iter(self._trainable)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """(name, parameter) for each of parameters(), named as in torch DDP ("module." + the
+        wrapped model's name), e.g. for weight-decay groups built by name or by dimension."""
+        self._check_open("named_parameters")
+        named = self.module.named_parameters(prefix=f"{prefix}.module" if prefix else "module",
+                                             remove_duplicate=remove_duplicate)
+        return ((n, p) for n, p in named if id(p) in self._trainable_ids)
+
+    def no_sync(self):
+        """Gradient accumulation without communication, as torch DDP's `no_sync()`.
+
+        Backward passes run inside the context only accumulate into `.grad`; the first
+        backward after it averages the accumulated sum among owners as usual:
+
+            with sdp.no_sync():
+                loss_fn(sdp(x0), y0).backward()
+            loss_fn(sdp(x1), y1).backward()   # averages grad(x0) + grad(x1)
+            optimizer.step()
+
+        Like DDP's, it sets require_backward_grad_sync to False inside and back after.
+        """
+        self._check_open("no_sync")
+        return _without_gradient_sync(self)
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """torch DDP's attribute. False: backward passes run while it is False only accumulate
+        into `.grad`, without communication (as inside no_sync()). True (the default): the next
+        backward averages the accumulated sum among owners. A nanoGPT-style loop sets it to
+        `micro_step == accumulation_steps - 1` before each micro-batch."""
+        return self._averager.sync_enabled
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        """Set whether the next backward passes average gradients (see the getter)."""
+        self._check_open("require_backward_grad_sync")
+        self._averager.sync_enabled = bool(value)
+        if self.shared_shards is not None:  # FSDP2's reduce-scatter of the shared parameters follows it
+            self.shared_shards.set_gradient_sync(bool(value))
+
+
+@contextlib.contextmanager
+def _without_gradient_sync(engine):
+    """DDP's no_sync(): require_backward_grad_sync False inside, its previous value after."""
+    previous = engine.require_backward_grad_sync
+    engine.require_backward_grad_sync = False
+    try:
+        yield
+    finally:
+        engine.require_backward_grad_sync = previous

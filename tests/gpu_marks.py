@@ -1,0 +1,19 @@
+"""Marks for tests that need a GPU: each carries the `cuda` marker, so that
+`pytest -m cuda` (bench/gpu_check.sh) selects it, and is skipped where it cannot run.
+tests/test_cuda_markers.py fails when a GPU-guarded test lacks the marker."""
+import pytest
+import torch
+
+from subnet_ext.testing import DEVICES
+
+
+def needs_cuda(test):
+    """A GPU and this build's CUDA kernels."""
+    skip = pytest.mark.skipif("cuda" not in DEVICES, reason="needs a GPU and the CUDA kernels")
+    return pytest.mark.cuda(skip(test))
+
+
+def needs_two_gpus(test):
+    """Two GPUs and this build's CUDA kernels."""
+    skip = pytest.mark.skipif("cuda" not in DEVICES or torch.cuda.device_count() < 2, reason="needs two GPUs")
+    return pytest.mark.cuda(skip(test))

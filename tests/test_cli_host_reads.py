@@ -1,0 +1,67 @@
+"""subnet-train's step reads one number to the host: its skip decision.
+
+The loss of each micro-batch and the clipped gradient norm stay on the device and are
+read together every --log-every steps (and at the end); the finiteness check is one
+device-side reduction whose flag is read once. Counted with tests/host_reads.py over the
+training loop (one simulated rank, so no processes), against the count the test expects:
+one read per step plus one per flush. The history must still hold every step's loss and
+norm as numbers.
+"""
+import math
+
+import pytest
+import torch
+
+from host_reads import counting_host_reads
+from subnet_ext.cli import loop
+from subnet_ext.cli.tasks import build_task
+from subnet_ext.cli.train import build_parser, check_args
+
+
+def args_for(*argv):
+    parser = build_parser()
+    args = parser.parse_args(["--model", "mlp", "--data", "digits", "--batch-size", "8", "--width", "16", *argv])
+    check_args(parser, args)
+    return args
+
+
+@pytest.mark.parametrize("regime", ["forward", "backward"])
+def test_a_step_reads_once_and_the_log_interval_once(regime):
+    steps, log_every = 6, 3
+    args = args_for("--method", "sdp", "--simulate-rank", "0", "--world-size", "2", "--level", "neuron",
+                    "--regime", regime, "--steps", str(steps), "--log-every", str(log_every), "--grad-accum", "2",
+                    "--grad-clip", "1.0")
+    task = build_task(args.data, args.model, args.preset, args.batch_size, args.seq_len, args.seed, args.width)
+    torch.manual_seed(args.seed)
+    device = torch.device("cpu")
+    method = loop.make_method(args, task.make_model(), device)
+    optimizer = torch.optim.AdamW(method.parameters(), lr=args.lr)
+    history = {"step": [], "loss": [], "eval": [], "skipped": [], "lr": [], "grad_norm": []}
+    with counting_host_reads() as host:
+        measured = loop._train(args, task, method, optimizer, history, 0, device, 0)
+    assert measured is not None
+    # Reads of values the step computed (not the batches, which are made on the host).
+    step_reads = [r for r in host.reads if not r[1].startswith(("data/", "cli/tasks.py"))]
+    flushes = math.ceil(steps / log_every)
+    assert len(step_reads) == steps + flushes, step_reads
+    assert len(history["loss"]) == len(history["grad_norm"]) == steps
+    assert all(isinstance(v, float) and math.isfinite(v) for v in history["loss"] + history["grad_norm"]), history
+
+
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), -float("inf")])
+def test_the_fused_finiteness_flag(bad):
+    """guard.nonfinite_flag against the test's own element-wise check, over dtypes, an
+    empty gradient and a parameter without one."""
+    from subnet_ext.engine.guard import nonfinite_flag
+
+    params = [torch.nn.Parameter(torch.zeros(shape, dtype=dtype))
+              for shape, dtype in [((0,), torch.float32), ((3, 4), torch.float32), ((5,), torch.bfloat16),
+                                   ((2, 2), torch.float16), ((7,), torch.float32)]]
+    for p in params[:-1]:
+        p.grad = torch.randn(p.shape).to(p.dtype)
+    if bad is not None:
+        params[2].grad[3] = bad
+    expected = any(not torch.isfinite(p.grad).all() for p in params if p.grad is not None)
+    flag = nonfinite_flag(params)
+    assert flag.dtype == torch.float32 and flag.dim() == 0 and flag.item() == float(expected)
+    assert nonfinite_flag([params[-1]]) is None

@@ -225,7 +225,7 @@ def _run_job(job: dict, spec: dict, device) -> None:
     del run
     for phase in job["phases"]:
         prun = Run(phase, profile, device, task, reference)
-        prun.method.load_full_state_dict(snapshot["model"])
+        prun.method.sdp.load_full_state_dict(snapshot["model"])
         prun.method.sdp.load_full_optimizer_state_dict(prun.optimizer, snapshot["optimizer"])
         prun.start_at(branch_at, snapshot["flops"], snapshot["seconds"])
         prun.curve = [dict(p) for p in snapshot["curve"]]
@@ -269,7 +269,7 @@ def _train(cfg, profile, device, task, reference, base, batches, branch_at):
         if marks or on_grid or not pending:
             run.evaluate(marks + ([] if pending else ["end"]), batches)
         if run.step == branch_at:
-            snapshot = {"model": run.method.full_state_dict(),
+            snapshot = {"model": run.method.sdp.full_state_dict(),  # on every rank: each loads its pieces
                         "optimizer": run.method.sdp.full_optimizer_state_dict(run.optimizer),
                         "flops": run.flops, "seconds": run.seconds, "curve": [dict(p) for p in run.curve]}
     run.capped = bool(pending)

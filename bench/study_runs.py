@@ -37,7 +37,7 @@ PROFILES = {
     "quick": dict(seeds=2, phase_fraction=0.2, time_check_every=5, timeout=600.0, tasks={
         "pysrc": dict(model="gpt", preset="small", data="pysrc", seq_len=64, batch_size=4, steps=60, eval_every=20,
                       eval_sequences=32, lr=2e-3, weight_decay=0.0, warmup_steps=6),
-        "digits": dict(_DIGITS, steps=100, eval_every=25, warmup_steps=5)}),
+        "digits": dict(_DIGITS, steps=50, eval_every=25, warmup_steps=5)}),
     "tiny": dict(seeds=2, phase_fraction=0.5, time_check_every=1, timeout=300.0, tasks={
         "pysrc": dict(model="gpt", preset="small", data="pysrc", seq_len=16, batch_size=2, steps=4, eval_every=4,
                       eval_sequences=8, lr=2e-3, weight_decay=0.0, warmup_steps=1),

@@ -58,6 +58,20 @@ def _versus_table(res, task, k, protocol) -> list[str]:
     return lines
 
 
+def _losers(res, task, k, protocol) -> list[str]:
+    """"`sdp run` (to baseline, ...)" for every L cell of _versus_table."""
+    out = []
+    for name in [n for n in res.names(task, k) if n.startswith("sdp-") and "+" not in n]:
+        beaten_by = []
+        for b in [b for b in BASELINES if b in res.names(task, k)]:
+            m, s, n = paired(res, task, k, (name, "full"), (b, "full"), protocol)
+            if _memory(res, task, k, b) <= _memory(res, task, k, name) and significant(m, s, n) and m > 0:
+                beaten_by.append(b)
+        if beaten_by:
+            out.append(f"`{name}` (to {', '.join(beaten_by)})")
+    return out
+
+
 def _best(res, task, k, protocol) -> str:
     """The SDP run with the lowest loss at a protocol, with its Δ to DDP and memory."""
     sdp = [n for n in res.names(task, k) if n.startswith("sdp-") and "+" not in n]
@@ -130,7 +144,7 @@ def _union_best(res, task, k, name) -> str:
         gain = paired(res, task, k, run, (name, "full"))
         if gain[2] and significant(*gain) and gain[0] < best_gain:
             best, best_gain = label, gain[0]
-    return f"{best} ({best_gain:+.3f})" if best else "none significantly"
+    return f"{best} ({best_gain:+.3f})" if best else "none (no fix changes it significantly)"
 
 
 def summary_section(res: Results) -> str:
@@ -154,7 +168,20 @@ def summary_section(res: Results) -> str:
                                  f"{_memory(res, task, k, sdp) / _memory(res, task, k, sd):.2f}× its memory")
                 lines.append(f"for `{sdp}`'s assembled model the largest significant improvement is "
                              f"{_union_best(res, task, k, sdp)}")
-        out.append(f"- **{task}, K = {k}**: " + "; ".join(x.rstrip(".") for x in lines if x) + ".")
+        for protocol in ("tokens", "flops"):
+            losers = _losers(res, task, k, protocol)
+            lines.append(f"SDP runs that lose to a baseline ({PROTOCOL_TITLES[protocol]}): "
+                         + (", ".join(losers) if losers else "none"))
+        if "fsdp" in res.names(task, k):
+            points = memory_points(res, task, k, "flops")
+            budget = _memory(res, task, k, "fsdp") / MIB
+            fits = [p for p in points if p[0] <= budget * (1 + 1e-9)]
+            if fits:
+                mem, loss, std, name = min(fits, key=lambda p: p[1])
+                lines.append(f"within FSDP2's memory per rank ({budget:.2f} MiB) the lowest FLOP-matched loss is "
+                             f"`{name}`'s, {loss:.3f} ± {std:.3f} at {mem:.2f} MiB")
+        out.append(f"- **{task}, K = {k}**:")
+        out += [f"  - {x.rstrip('.')}." for x in lines if x]
     out.append("")
     return "\n".join(out)
 
@@ -185,11 +212,13 @@ def verdict_section(res: Results) -> str:
             out += [f"- Recommended by memory budget: {line}" for line in _recommendations(res, task, k)]
             out.append("")
     out += ["### Left for judgement", "",
-            "The sentences above are computed; these questions are not, and need a reader of the tables:",
-            "- whether the regularity shown holds beyond these sizes (a 4-layer model, a few hundred steps, "
-            "one learning rate for every method);",
-            "- which of the union fixes to make the documented default (the rule: the one with the largest "
-            "significant improvement on both tasks and both coverages, if any);",
+            "The sentences above are computed; these are not, and need a reader of the tables:",
+            "- the short verdict in words (where SDP wins, where it loses, what to recommend), written from the "
+            "Summary and the tables, and the README's Results summary copied from it;",
+            "- which union fix to make the documented default (the rule: the one with the largest significant "
+            "improvement on both tasks and both coverages, if one clearly helps everywhere);",
+            "- whether the regularities hold beyond these sizes (a 4-layer model, a few hundred steps, one "
+            "learning rate for every method, no tuning per method);",
             "- how much the wall-time protocol says on a machine shared with other work (see the load averages "
             "in Setup).", ""]
     return "\n".join(out)

@@ -56,7 +56,7 @@ def quality_table(res: Results, task: str, k: int) -> str:
 def keep_table(res: Results, task: str, k: int) -> str:
     """SDP runs at equal iterations: Δ to DDP of every model a user could keep."""
     modes = [("full", "full (union)"), ("full_scaled", "full, scaled by owner fraction"), ("ensemble", "ensemble"),
-             ("subnetworks", "each rank's subnetwork: mean (Δ); best..worst rank")]
+             ("subnetworks", "each rank's subnetwork: their mean (Δ); by rank 0 / 1 / ...")]
     sdp = [n for n in res.names(task, k) if n.startswith("sdp-") and "+" not in n]
     phases = sorted({n.split("+", 1)[1] for n in res.names(task, k) if "+" in n})
     head = "| run | " + " | ".join(t for _, t in modes) + "".join(f" | +{p}: full" for p in phases) + " |"
@@ -66,8 +66,7 @@ def keep_table(res: Results, task: str, k: int) -> str:
         for mode, _ in modes:
             s = res.summary(task, k, name, "tokens", mode)
             cells.append("n/a" if s["n"] == 0 else f"{fmt(s['mean'])} ({pm(s['delta'], s['delta_std'], sign=True)})")
-        low, high = res.subnetwork_range(task, k, name, "tokens")
-        cells[-1] += f"; ranks {fmt(low)}..{fmt(high)}"
+        cells[-1] += "; by rank " + " / ".join(fmt(v) for v in res.subnetwork_losses(task, k, name, "tokens"))
         for p in phases:
             s = res.summary(task, k, f"{name}+{p}", "tokens")
             cells.append("—" if s["n"] == 0 else f"{fmt(s['mean'])} ({pm(s['delta'], s['delta_std'], sign=True)})")

@@ -124,17 +124,16 @@ class Results:
         dm, ds = mean_std(deltas)
         return {"mean": m, "std": s, "delta": dm, "delta_std": ds, "n": len(values)}
 
-    def subnetwork_range(self, task, k, name, protocol) -> tuple:
-        """(lowest, highest) loss of any rank's subnetwork, each the mean over seeds of that rank's."""
+    def subnetwork_losses(self, task, k, name, protocol) -> list[float]:
+        """Each rank's subnetwork loss (rank order), the mean over seeds; [] where none was evaluated."""
         per_rank = []
         for seed in self.seeds(task, k, name):
             p = self.point(task, k, seed, name, protocol)
             if p and p.get("subnetworks"):
                 per_rank.append(p["subnetworks"]["loss"])
         if not per_rank:
-            return None, None
-        means = [statistics.fmean(r[i] for r in per_rank) for i in range(len(per_rank[0]))]
-        return min(means), max(means)
+            return []
+        return [statistics.fmean(r[i] for r in per_rank) for i in range(len(per_rank[0]))]
 
     def cost(self, task, k, name) -> dict:
         """Per-rank costs (worst rank, seed 0 or the first seed that ran) and per-step figures."""

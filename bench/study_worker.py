@@ -15,6 +15,8 @@ curve records step, tokens, FLOPs (sum over ranks) and training seconds (slowest
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
 import time
@@ -48,6 +50,7 @@ def run_group(spec: dict) -> None:
     register_masked_linear_flops()
     for job in spec["jobs"]:
         _run_job(job, spec, device)
+        gc.collect()  # the finished configurations' models and groups, before the next one measures
         dist.barrier()
 
 
@@ -95,7 +98,7 @@ class Run:
         meter = ActivationMeter()
         t0 = time.perf_counter()
         counter = counting_flops() if first else None
-        with counter if counter is not None else _null():
+        with counter if counter is not None else contextlib.nullcontext():
             loss = stepper.accumulate(self.task, self.step, self.rank, self.world, meter=meter)
             stepped = stepper.finish(self.step + 1)["stepped"]
         # Gradients still held. The largest over the run: with stochastic depth a dropped block has no
@@ -170,14 +173,6 @@ class Run:
                 dist.destroy_process_group(group)
 
 
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 def _all_sum(value: float, device) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t)
@@ -223,6 +218,7 @@ def _run_job(job: dict, spec: dict, device) -> None:
     _write(spec, cfg, run, reference, base)
     run.close()
     del run
+    gc.collect()
     for phase in job["phases"]:
         prun = Run(phase, profile, device, task, reference)
         prun.method.sdp.load_full_state_dict(snapshot["model"])

@@ -129,7 +129,11 @@ def test_flops_are_the_layers_products(study):
 
     b = PROFILE["tasks"]["digits"]["batch_size"]
     expected = {"ddp": _mlp_flops(b, 4, 4), "sdp-block-forward-c0.5": _mlp_flops(b, 2, 2), "sdp-block-forward-c0.25": _mlp_flops(b, 1, 1),
-                "sdp-block-backward-c0.5": _mlp_flops(b, 4, 2), "sdp-block-backward-c0.25": _mlp_flops(b, 4, 1)}
+                "sdp-block-backward-c0.5": _mlp_flops(b, 4, 2), "sdp-block-backward-c0.25": _mlp_flops(b, 4, 1),
+                # neuron level: half (a quarter) of each block's hidden units, in the forward regime compact, in
+                # the backward regime only their weight gradients (the masked kernels, given formulas)
+                "sdp-neuron-forward-c0.5": _mlp_flops(b, 2, 2), "sdp-neuron-forward-c0.25": _mlp_flops(b, 1, 1),
+                "sdp-neuron-backward-c0.5": _mlp_flops(b, 4, 2), "sdp-neuron-backward-c0.25": _mlp_flops(b, 4, 1)}
     # Checkpointing recomputes each block's forward in backward up to the last tensor its backward needs
     # (non-reentrant checkpoints stop early): fc1 and the activation, not fc2, whose output nothing saves.
     expected["ddp-ac"] = _mlp_flops(b, 4, 4) + 4 * 2 * b * 128 * 512

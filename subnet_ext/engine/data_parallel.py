@@ -50,6 +50,7 @@ from .config import SDPConfig, config_from
 from .ddp_interface import DDPInterface
 from .optimizer_guard import OptimizerGuard
 from .phase import Phase
+from .residual_scale import check_residual_scale, scale_full_state
 from .restore import meta_skeleton, restore_structure
 from .setup import check_placement, weak_call, world_and_rank
 from .sharding import SharedShards
@@ -220,14 +221,18 @@ class SubnetDataParallel(DDPInterface, nn.Module):
         return out
 
     @collective_method(agree=("rank0_only",))
-    def full_state_dict(self, rank0_only: bool = False, cpu_offload: bool = False) -> dict:
+    def full_state_dict(self, rank0_only: bool = False, cpu_offload: bool = False, residual_scale=None) -> dict:
         """The whole model's state dict (original names and shapes), identical on every rank, or with
         FSDP's `rank0_only` on rank 0 alone ({} elsewhere, which hold one bounded chunk at a time), on
-        the CPU with `cpu_offload`. Collective: every rank must call it. See state/full_gather.py."""
+        the CPU with `cpu_offload`. residual_scale="owner_fraction" (block level) scales each block's
+        residual branches by owners / K in the weights (residual_scale.py). Collective: every rank
+        must call it. See state/full_gather.py."""
         layout, group = self._state_access("full_state_dict")
         self._refuse_if_simulated("full_state_dict")
-        return with_aliases(self.plan, assemble(layout, reduce=True, process_group=group, timeout=self.config.timeout,
+        check_residual_scale(residual_scale)
+        full = with_aliases(self.plan, assemble(layout, reduce=True, process_group=group, timeout=self.config.timeout,
                                                 rank0_only=rank0_only, cpu_offload=cpu_offload))
+        return scale_full_state(full, self.plan, self._skeleton, residual_scale) if full else full
 
     def local_full_state_dict(self) -> dict:
         """This rank's values in the original names and shapes, NaN where it holds nothing."""
@@ -286,26 +291,29 @@ class SubnetDataParallel(DDPInterface, nn.Module):
                                         group=self._comm.world_group, timeout=self.config.timeout)
 
     @collective_method
-    def full_model(self) -> nn.Module:
-        """A new, unmasked model holding the assembled full state, ties kept (collective)."""
+    def full_model(self, residual_scale=None) -> nn.Module:
+        """A new, unmasked model holding the assembled full state, ties kept (collective);
+        residual_scale as full_state_dict's."""
         self._check_open("full_model")
-        return evaluation.full_model(self._skeleton, self.plan, self.full_state_dict())
+        return evaluation.full_model(self._skeleton, self.plan, self.full_state_dict(residual_scale=residual_scale))
 
     @collective_method
     @torch.no_grad()
-    def evaluate(self, *inputs, modes=("full", "ensemble"), loss_fn=None, targets=()) -> dict:
+    def evaluate(self, *inputs, modes=("full", "ensemble"), loss_fn=None, targets=(), residual_scale=None) -> dict:
         """{mode: output}, each the model's output structure (tensors in tuples, lists, dicts,
         dataclasses, ModelOutputs), floating tensors as float32 (e.g. logits [B, C]):
         "full": the union of subnetworks; "ensemble": the ranks' subnetwork outputs averaged
         (one all-reduce); "subnetwork": this rank's own. With loss_fn(output, *targets) ->
         scalar also "loss": {"full": 0-d, "ensemble": 0-d (of the averaged output),
         "subnetworks": [K], rank r's own at r (NaN for ranks a simulated engine lacks)}.
-        Collective; eval mode, restored. See evaluation.py."""
+        residual_scale: of "full", as full_state_dict's. Collective; eval mode, restored. See evaluation.py."""
         self._check_open("evaluate")
+        check_residual_scale(residual_scale)
         if "full" in evaluation.check_request(modes, loss_fn, targets)[0]:
             self._refuse_if_simulated("evaluate(modes=('full', ...))")
         communicate = self.world_size > 1 and not self._simulated  # simulated: its own subnetwork alone
-        out = evaluation.evaluate(self.module, self._skeleton, self.plan, inputs, modes, self.full_state_dict,
+        out = evaluation.evaluate(self.module, self._skeleton, self.plan, inputs, modes,
+                                  lambda: self.full_state_dict(residual_scale=residual_scale),
                                   (communicate, self._process_group, self.world_size, self.rank, self.config.timeout),
                                   loss_fn, targets)
         if self._shards is not None:

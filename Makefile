@@ -83,5 +83,12 @@ test-torch:
 	@test -n "$(TORCH)" || { echo "make test-torch needs a torch release: make test-torch TORCH=2.11.0" >&2; exit 2; }
 	PYTHON=$(PYTHON) bash .ci/test-torch $(TORCH)
 
+# The study, outside CI (bench/study.py): DDP, FSDP2, checkpointing, stochastic depth and SDP on the
+# Python standard library's sources and on digits, 3 seeds; writes docs/study-cpu.md and its plots
+# (<= 60 min on 2 cores). `bench/study.py --quick` is its 10-minute form.
+.PHONY: study
+study: build
+	$(PY) bench/study.py
+
 clean:
 	rm -rf build bench/bin docs/_build *.egg-info subnet_ext/_C*.so subnet_ext/_build_info.py

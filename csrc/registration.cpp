@@ -1,5 +1,6 @@
 // The op schemas of the `subnet_ext` namespace, defined once. cpu/ and cuda/ register
-// their kernels for their own dispatch key; subnet_ext/ops.py adds fake and autograd.
+// their kernels for their own dispatch key; subnet_ext/ops/registration.py adds the fake
+// kernels (ops/fake.py), the masked linear's autograd and its autocast kernels.
 #include <torch/library.h>
 
 #include "ops.h"

@@ -5,33 +5,26 @@ only among the ranks that hold it. See README.md and docs/design.md.
 """
 import sys as _sys
 
-from .state import checkpoint
+from .engine import checkpoint
 
 # `import subnet_ext.checkpoint` and `from subnet_ext.checkpoint import save_subnet_checkpoint` find
-# the same module as the attribute `subnet_ext.checkpoint` (subnet_ext/state/checkpoint.py).
+# the same module as the attribute `subnet_ext.checkpoint` (subnet_ext/engine/checkpoint.py).
 _sys.modules[f"{__name__}.checkpoint"] = checkpoint
 from . import ops
 from .ops import reference
 from .ops.build_info import build_info
 from .comm.collectives import CollectiveError
 from .state.consistency import ConsistencyError
-from .engine import SubnetDataParallel
+from .engine import SDPConfig, SubnetDataParallel
 from .engine.grad_scaler import GradScaler
 from .engine.guard import NonFiniteGuard, TooManySkippedSteps
 from .planning.plan import SubnetPlan, Unit, plan_subnetworks
-from .ops import (
-    masked_linear,
-    masked_linear_backward,
-    masked_linear_grad_weight_,
-    pack_segments,
-    segment_table,
-    unpack_average_,
-)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "SubnetDataParallel",
+    "SDPConfig",
     "GradScaler",
     "NonFiniteGuard",
     "TooManySkippedSteps",
@@ -51,3 +44,20 @@ __all__ = [
     "ops",
     "reference",
 ]
+
+# The op functions are those of `subnet_ext.ops`, looked up there on first use: importing
+# the package loads no compiled code until an op runs (`subnet_ext.ops.reference` needs none).
+_OPS = ("masked_linear", "masked_linear_backward", "masked_linear_grad_weight_", "pack_segments", "segment_table",
+        "unpack_average_")
+
+
+def __getattr__(name: str):
+    if name in _OPS:
+        value = getattr(ops, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_OPS))

@@ -49,7 +49,7 @@ def _run(rank, world, make, regime, level, coverage):
             grads.append({n: p.grad.clone() for n, p in sdp.module.named_parameters() if p.grad is not None})
             opt.step()
             opt.zero_grad()
-    return grads, calls[0], sdp.direct_gradient_runs
+    return grads, calls[0], sdp.comm_stats()["direct_gradient_runs"]
 
 
 def _worker(rank, world):

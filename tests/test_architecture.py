@@ -6,6 +6,13 @@ may import them; they import nothing of ours but each other. subnet_ext/__init__
 testing.py are the top. Also: no import cycle between modules, no module over 400
 lines, no function over 60 lines unless its first body line or the line above its
 `def` is a comment saying why.
+
+Signatures count as dependencies too (`signature_errors`): a parameter or field annotated
+with a class that only a higher layer defines, a Callable parameter in ops, planning or
+comm (a callback from above), a parameter named for the engine (`sdp`, `engine`) below
+it, and an unannotated constructor parameter in comm (which would hide any of these).
+What ast cannot see (an unannotated function argument that is a higher-layer object or
+a bound method) is the README's rule (Architecture).
 """
 import ast
 import pathlib
@@ -17,6 +24,9 @@ LEAVES = {"models", "data"}
 LEAF_USERS = {"planning", "engine", "cli"}
 TOP = {PACKAGE, f"{PACKAGE}.testing"}
 MAX_MODULE_LINES, MAX_FUNCTION_LINES = 400, 60
+NO_CALLBACK_LAYERS = {"ops", "planning", "comm"}  # take data and typed objects from above, never behaviour
+TYPED_CONSTRUCTOR_LAYERS = {"comm"}  # every constructor parameter annotated, so the checks see it
+ENGINE_NAMES = {"sdp", "engine"}  # parameter names that say "the whole engine"
 # Violations found by this test and not fixed yet (issue 12): listed so that any new one
 # fails, and fixing one fails until it is removed from here.
 KNOWN_CYCLES = []
@@ -148,6 +158,78 @@ def long_functions(name: str, source: str) -> list:
     return out
 
 
+def annotation_names(node) -> set:
+    """Every name an annotation mentions (Name ids, Attribute attrs, inside strings too)."""
+    out = set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.Name):
+            out.add(n.id)
+        elif isinstance(n, ast.Attribute):
+            out.add(n.attr)
+        elif isinstance(n, ast.Constant) and isinstance(n.value, str):
+            try:
+                out |= annotation_names(ast.parse(n.value, mode="eval"))
+            except SyntaxError:
+                pass
+    return out
+
+
+def _callable_aliases(tree) -> set:
+    """Module-level names bound to a Callable type (`Resolver = Callable[[Piece], tuple]`)."""
+    return {t.id for node in tree.body if isinstance(node, ast.Assign) and "Callable" in annotation_names(node.value)
+            for t in node.targets if isinstance(t, ast.Name)}
+
+
+def _signatures(tree):
+    """(function or class name, parameter or field name, annotation or None, public constructor?)
+    for every parameter of every function and every annotated field of every class."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    yield node.name, item.target.id, item.annotation, False
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name == "__init__":
+                    for a in item.args.posonlyargs + item.args.args[1:] + item.args.kwonlyargs:
+                        yield f"{node.name}.__init__", a.arg, a.annotation, not node.name.startswith("_")
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name != "__init__":
+            args = node.args
+            for a in args.posonlyargs + args.args + args.kwonlyargs + [x for x in (args.vararg, args.kwarg) if x]:
+                if a.arg not in ("self", "cls"):
+                    yield node.name, a.arg, a.annotation, False
+
+
+def signature_errors(sources: dict) -> list:
+    """[message] for each dependency a signature carries up the layers (see the module docstring).
+
+    Args: sources: {module name: source text}."""
+    defined = {}
+    trees = {name: ast.parse(src) for name, src in sources.items()}
+    for name, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and section(name) in LAYERS:
+                defined.setdefault(node.name, set()).add(LAYERS.index(section(name)))
+    callables = {"Callable"}.union(*(_callable_aliases(tree) for tree in trees.values()))  # aliases are imported
+    errors = []
+    for name, tree in trees.items():
+        here = section(name)
+        if here not in LAYERS:
+            continue
+        level = LAYERS.index(here)
+        for owner, param, annotation, constructor in _signatures(tree):
+            names = annotation_names(annotation) if annotation is not None else set()
+            for t in sorted(names):
+                if t in defined and min(defined[t]) > level:
+                    errors.append(f"{name} ({here}): {owner}({param}) is annotated with {t} of higher layer "
+                                  f"{LAYERS[min(defined[t])]}")
+            if here in NO_CALLBACK_LAYERS and names & callables:
+                errors.append(f"{name} ({here}): {owner}({param}) takes a callable: pass data or a typed object")
+            if level < LAYERS.index("engine") and param in ENGINE_NAMES:
+                errors.append(f"{name} ({here}): {owner}({param}) takes the engine: pass what it needs")
+            if here in TYPED_CONSTRUCTOR_LAYERS and constructor and annotation is None:
+                errors.append(f"{name} ({here}): {owner}({param}) is not annotated")
+    return sorted(errors)
+
+
 def scan():
     """({module: imports}, {module: source})."""
     modules, sources = {}, {}
@@ -163,6 +245,11 @@ def scan():
 def test_layers_respected():
     modules, _ = scan()
     assert layering_errors(modules) == []
+
+
+def test_signatures_carry_no_higher_layer():
+    _, sources = scan()
+    assert signature_errors(sources) == []
 
 
 def test_no_import_cycles():
@@ -201,3 +288,37 @@ def test_checker_catches_violations():
     assert long_functions("m", f"def f():\n    # why: one table, read top to bottom\n{body}\n") == []
     src = "def g():\n    from ..engine import data_parallel\n"
     assert imports_of("subnet_ext.state.z", src, False) == {"subnet_ext.engine", "subnet_ext.engine.data_parallel"}
+
+
+def test_signature_checker_catches_callbacks_and_higher_types():
+    comm_bad = (
+        "from typing import Callable\n"
+        "Resolver = Callable[[int], tuple]\n"
+        "class Averager:\n"
+        "    def __init__(self, resolve: Resolver, layout: 'RankLayout', device, size: int):\n"
+        "        pass\n"
+        "class Place:\n"
+        "    layout: RankLayout\n"
+        "def hook(sdp, done: Callable[[], None]) -> None:\n"
+        "    pass\n")
+    synthetic = {
+        "subnet_ext.state.layout": "class RankLayout:\n    pass\n",
+        "subnet_ext.engine.data_parallel": "class SubnetDataParallel:\n    pass\n",
+        "subnet_ext.comm.bad": comm_bad,
+        "subnet_ext.comm.good": "class Fine:\n    def __init__(self, size: int, places: dict):\n        pass\n",
+        "subnet_ext.comm.user": "from .bad import Resolver\ndef refresh(resolve: Resolver):\n    pass\n",
+        "subnet_ext.state.user": "def save(where: 'SubnetDataParallel', engine):\n    pass\n",
+        "subnet_ext.engine.free": "from typing import Callable\ndef f(layout: 'RankLayout', hook: Callable, sdp):\n"
+                                  "    pass\n",
+    }
+    assert signature_errors(synthetic) == sorted([
+        "subnet_ext.comm.bad (comm): Averager.__init__(resolve) takes a callable: pass data or a typed object",
+        "subnet_ext.comm.bad (comm): Averager.__init__(layout) is annotated with RankLayout of higher layer state",
+        "subnet_ext.comm.bad (comm): Averager.__init__(device) is not annotated",
+        "subnet_ext.comm.bad (comm): Place(layout) is annotated with RankLayout of higher layer state",
+        "subnet_ext.comm.bad (comm): hook(sdp) takes the engine: pass what it needs",
+        "subnet_ext.comm.bad (comm): hook(done) takes a callable: pass data or a typed object",
+        "subnet_ext.comm.user (comm): refresh(resolve) takes a callable: pass data or a typed object",
+        "subnet_ext.state.user (state): save(where) is annotated with SubnetDataParallel of higher layer engine",
+        "subnet_ext.state.user (state): save(engine) takes the engine: pass what it needs",
+    ])

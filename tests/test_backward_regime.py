@@ -16,6 +16,7 @@ from sdp_helpers import batch, make_model
 from sdp_reference import backward_regime_sgd, max_param_diff
 from subnet_ext.models.resnet import resnet18
 from subnet_ext.models.residual_mlp import ResidualMLPBlock
+from subnet_ext.planning.pieces import global_pieces
 from subnet_ext.testing import run_distributed
 
 LR = 0.1
@@ -67,7 +68,7 @@ def _sgd_run(make, loss_of, coverage, rank, world, steps, sync_every=1):
         opt.step()
         opt.zero_grad()
         local.append(sdp.local_full_state_dict())
-    history = backward_regime_sgd(reference, sdp.pieces, world, loss_of, steps, LR, sync_every)
+    history = backward_regime_sgd(reference, global_pieces(sdp.plan), world, loss_of, steps, LR, sync_every)
     return sdp, local, history, reference
 
 
@@ -92,7 +93,7 @@ def _shared_linear(rank, world):
 def _local_sgd(rank, world):
     sdp, local, history, reference = _sgd_run(make_model, mlp_loss, 0.5, rank, world, 4, sync_every=2)
     names = param_names(reference)
-    leaders = {p.owners[0] for p in sdp.pieces if len(p.owners) < world}  # one float32 broadcast each
+    leaders = {p.owners[0] for p in global_pieces(sdp.plan) if len(p.owners) < world}  # one float32 broadcast each
     return {"refresh": sdp.comm_stats()["by_quantity"].get("refresh", (0, 0))[1], "leaders": len(leaders),
             "local_ref": [max_param_diff(local[s], history[s][rank], names) for s in range(4)],
             "stale_between_syncs": max_param_diff(local[0], history[0][1 - rank], names)}
@@ -132,7 +133,7 @@ def _conv(rank, world):
     out = {"conv_ref": max_param_diff(sdp.full_state_dict(), history[0][rank], param_names(reference))}
     masked = {m.name.rpartition(".")[0]: m.dim for g in sdp.plan.groups for m in g.members
               if m.name.endswith(".weight") and isinstance(reference.get_submodule(m.name[:-7]), torch.nn.Conv2d)}
-    owned = {path: sum(p.length for p in sdp.pieces if p.name == path + ".weight" and rank in p.owners) /
+    owned = {path: sum(p.length for p in global_pieces(sdp.plan) if p.name == path + ".weight" and rank in p.owners) /
              sdp.plan.tensor_shapes[path + ".weight"][dim] for path, dim in masked.items()}
     masked_full = _full_weight_grad_flops(reference, masked, lambda: resnet_loss(reference, rank, 1))
     sdp_total = _weight_grad_flops(lambda: resnet_loss(sdp.module, rank, 1))

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from subnet_ext import checkpoint as ck
+from subnet_ext.state import checkpoint as layer_checkpoint
 from subnet_ext.state.manifest import MANIFEST, read_manifest
 from subnet_ext.cli.train import build_parser, check_args, main
 from subnet_ext.cli.checkpointing import load_full_model_state
@@ -140,7 +141,7 @@ def test_resume_auto_and_no_silent_overwrite(saved, tmp_path, capsys):
 
 
 def test_failed_save_keeps_previous_checkpoints(tmp_path, monkeypatch):
-    real_commit, calls = ck._commit, []
+    real_commit, calls = layer_checkpoint._commit, []
 
     def disk_full_once(*args, **kwargs):
         calls.append(args[-1])
@@ -148,7 +149,7 @@ def test_failed_save_keeps_previous_checkpoints(tmp_path, monkeypatch):
             raise OSError(28, "No space left on device")
         return real_commit(*args, **kwargs)
 
-    monkeypatch.setattr(ck, "_commit", disk_full_once)
+    monkeypatch.setattr(layer_checkpoint, "_commit", disk_full_once)
     with pytest.warns(RuntimeWarning, match="checkpoint of step 4 .* was not written.*No space left"):
         code, _ = train(tmp_path, tmp_path / "ck", "--save-every", "2", steps=6)
     assert code == 0

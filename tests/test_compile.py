@@ -40,8 +40,8 @@ def _trajectory(regime, level, coverage, compile_kwargs=None):
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
-    assert sdp.optimizer_steps == 3
-    return losses, writes[0], sdp.counter.collectives, sum(counters["graph_break"].values())
+    assert sdp.comm_stats()["steps"] == 3
+    return losses, writes[0], sdp.comm_stats()["collectives"], sum(counters["graph_break"].values())
 
 
 def _close(a, b):

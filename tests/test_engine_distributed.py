@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import subnet_ext as sx
 from sdp_helpers import batch, make_model, train
+from subnet_ext.planning.pieces import global_pieces
 from subnet_ext.testing import run_distributed
 
 
@@ -74,16 +75,16 @@ def _two_rank_worker(rank, world):
             for s in range(2):
                 x0, y0 = batch(rank, 2 * s)
                 x1, y1 = batch(rank, 2 * s + 1)
-                before = sdp.counter.collectives
+                before = sdp.comm_stats()["collectives"]
                 with module.no_sync():
                     F.cross_entropy(module(x0), y0).backward()
-                silent &= sdp.counter.collectives == before
+                silent &= sdp.comm_stats()["collectives"] == before
                 F.cross_entropy(module(x1), y1).backward()
                 opt.step()
                 opt.zero_grad()
         full, ref = sdp.full_state_dict(), ddp.module.state_dict()
         out[f"no_sync_diff_{regime}_{level}"] = max((full[k] - ref[k]).abs().max().item() for k in ref)
-        out[f"no_sync_silent_{regime}_{level}"] = silent and sdp.counter.collectives > 0
+        out[f"no_sync_silent_{regime}_{level}"] = silent and sdp.comm_stats()["collectives"] > 0
 
     # full_state_dict loads into the original, unmasked model; evaluate("full") is that model.
     model = make_model()
@@ -184,7 +185,7 @@ def _four_rank_worker(rank, world):
             F.cross_entropy(m(x), y).backward()
             grads.append({n: p.grad for n, p in m.named_parameters()})
         worst = 0.0
-        for p in sdp.pieces:
+        for p in global_pieces(sdp.plan):
             if not p.is_param:
                 continue
             g = torch.stack([grads[q][p.name].narrow(p.dim, p.start, p.length) if grads[q][p.name].dim() else

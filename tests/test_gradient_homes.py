@@ -45,7 +45,7 @@ def replica_grads(replica, steps):
 def engine_grads(sdp):
     """{full name: gradient} of what the engine holds (backward regime: the owned views)."""
     out = {}
-    for piece, param in sdp.layout.piece_params.items():
+    for piece, param in sdp._layout.piece_params.items():
         out[(piece.name, piece.dim, piece.start, piece.length)] = param.grad
     for name, param in sdp.module.named_parameters():
         if not any(name.endswith(f"_owned{i}") for i in range(8)):

@@ -168,6 +168,34 @@ def test_grad_weight_into_flat_buffer_slice(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype, out_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                              (torch.float16, torch.float32), (torch.float32, torch.float64)])
+def test_backward_writes_weight_gradient_into_a_given_buffer(device, dtype, out_dtype):
+    """masked_linear_backward(grad_weight_out=view): the weight gradient lands in (accumulate:
+    is added to) a slice of a flat buffer of its own dtype (the engine's bucket), the other
+    gradients are those of the call without it. Reference: `ref.masked_linear_backward` in
+    float64 on the same (rounded) operands: fp32 output and accumulation leave only fp32
+    rounding, in every dtype pairing."""
+    x, w, b, oi, ii = operands(device, dtype, 0.5, compact=False, batch=(5,))
+    g = torch.randn(5, OUT).to(device, dtype)
+    n = len(oi) * len(ii)
+    flat = torch.full((3 + n + 4,), 7.0, device=device, dtype=out_dtype)
+    view = flat[3 : 3 + n].view(len(oi), len(ii))
+    kw = dict(grad_out_full=True, dense_grad_input=True)
+    gx, gw, gb = sx.masked_linear_backward(g, x, w, oi, ii, grad_weight_out=view, **kw)
+    plain = sx.masked_linear_backward(g, x, w, oi, ii, **kw)
+    exact = ref.masked_linear_backward(g.double(), x.double(), w.double(), oi, ii, **kw)[1]
+    assert gw is view and torch.equal(gx, plain[0]) and torch.equal(gb, plain[2])
+    tolerance = dict(rtol=1e-5, atol=1e-5 * exact.abs().max().item())
+    torch.testing.assert_close(view.double(), exact, **tolerance)
+    assert (flat[:3] == 7).all() and (flat[-4:] == 7).all(), "wrote outside its slice"
+    only = sx.masked_linear_backward(g, x, w, oi, ii, output_mask=(False, True, False), grad_weight_out=view,
+                                     accumulate=True, **kw)
+    assert only[0] is None and only[2] is None
+    torch.testing.assert_close(view.double(), 2 * exact, **tolerance)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_empty_batch_and_non_contiguous(device):
     x, w, b, oi, ii = operands(device, torch.float32, 0.5, compact=False, batch=(0,))
     y = sx.masked_linear(x, w, b, oi, ii, scatter_width=OUT)

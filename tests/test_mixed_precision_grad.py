@@ -69,7 +69,7 @@ def test_mixed_dtypes_other_than_half_into_fp32_are_refused():
 
 def _owned_grads(sdp):
     """{(name, dim, start, length): gradient} of the backward regime's owned runs."""
-    return {(p.name, p.dim, p.start, p.length): param.grad for p, param in sdp.layout.piece_params.items()
+    return {(p.name, p.dim, p.start, p.length): param.grad for p, param in sdp._layout.piece_params.items()
             if param.grad is not None and param.dim() == 2}
 
 
@@ -80,13 +80,14 @@ def test_engine_writes_bf16_gradients_into_fp32_buckets(device, monkeypatch):
     sdp = sx.SubnetDataParallel(model, sx.plan_subnetworks(model, 2, 1.0, "neuron"), regime="backward",
                                 simulate_rank=0)
     seen = []
-    original = sx.ops.masked_linear_grad_weight_
+    # The weight-gradient kernel, as the masked linear's gradient formula (ops/linear.py) calls it.
+    original = sx.ops.linear.masked_linear_grad_weight_
 
     def spy(out, grad_out, x, *args, **kwargs):
         seen.append((out.dtype, grad_out.dtype, x.dtype))
         return original(out, grad_out, x, *args, **kwargs)
 
-    monkeypatch.setattr(sx.ops, "masked_linear_grad_weight_", spy)
+    monkeypatch.setattr(sx.ops.linear, "masked_linear_grad_weight_", spy)
     x, y = (t.to(device) for t in batch(0, 0, n=64))
     with torch.autocast(device, dtype=torch.bfloat16):
         F.cross_entropy(sdp(x), y).backward()

@@ -18,11 +18,11 @@ import torch.nn.functional as F
 
 import subnet_ext as sx
 from sdp_helpers import batch, make_model, train
-from subnet_ext.state.checkpoint import load_subnet_checkpoint, save_subnet_checkpoint
+from subnet_ext.checkpoint import load_subnet_checkpoint, save_subnet_checkpoint
+from subnet_ext.planning.pieces import global_pieces
 from subnet_ext.comm.collectives import CollectiveError
 from subnet_ext.state.consistency import ConsistencyError, describe_piece
 from subnet_ext.engine.guard import NonFiniteGuard, TooManySkippedSteps
-from subnet_ext.state.assembly import _narrow
 
 TIMEOUT_S = 3.0
 
@@ -95,10 +95,11 @@ def _checkpoints(rank, folder):
 def _consistency(rank, sdp):
     out = {}
     sdp.verify_consistency()
-    piece = next(p for p in sdp.pieces if p.sliced and 2 in p.owners and len(p.owners) < 4)
+    piece = next(p for p in global_pieces(sdp.plan) if p.sliced and 2 in p.owners and len(p.owners) < 4)
     local = None
     if rank in piece.owners:
-        local = _narrow(sdp.value_of(piece.name), piece.dim, sdp.local_start[piece], piece.length)
+        value, start = sdp._layout.value_of(piece.name), sdp._layout.local_start[piece]
+        local = value.narrow(piece.dim, start, piece.length)
     kept = local.detach().clone() if local is not None else None
     if rank == 2:
         with torch.no_grad():

@@ -98,7 +98,7 @@ BAD_ARGS = [
     (["--warmup-steps", "5", "--steps", "5"], "--warmup-steps 5 must be less than --steps 5"),
     (["--precision", "fp8"], "invalid choice"),
     (["--lr-schedule", "linear"], "invalid choice"),
-    (["--model", "gpt"], "invalid choice"),
+    (["--model", "transformer"], "invalid choice"),  # gpt is a model now
     (["--model", "hf:/nonexistent"], "config.json' does not exist"),
     (["--level", "layer"], "invalid choice"),
     (["--bucket-cap-mb", "0"], "--bucket-cap-mb must be positive"),

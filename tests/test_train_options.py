@@ -32,7 +32,8 @@ def test_every_flag_runs_and_is_recorded(tmp_path, method, precision):
     report = run_cli(tmp_path / "out", "--method", method, "--nproc", "2", "--precision", precision, *ALL_FLAGS,
                      "--save-dir", str(tmp_path / "ck"))
     expected = {"lr": 3e-3, "weight_decay": 0.0, "lr_schedule": "cosine", "warmup_steps": 1, "grad_accum": 2,
-                "grad_clip": 1.0, "precision": precision, "activation_checkpointing": True, "compile": False}
+                "grad_clip": 1.0, "precision": precision, "activation_checkpointing": True, "compile": False,
+                "stochastic_depth": 0.0}
     assert report["training"] == expected
     manifest = json.loads((tmp_path / "ck" / "step-000003" / "manifest.json").read_text())
     assert manifest["identity"]["training"] == expected

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import subnet_ext as sx
 from sdp_helpers import batch, make_model
-from subnet_ext.planning.pieces import owned_indices
+from subnet_ext.planning.pieces import global_pieces, owned_indices
 from subnet_ext.testing import run_distributed
 
 MAX_NORM = 0.05  # below every gradient norm of these runs: clipping is active
@@ -42,7 +42,7 @@ def full_shape_gradients(sdp) -> dict:
             if tuple(p.grad.shape) == shape:
                 out[name] = p.grad.detach().clone()
             else:  # forward regime, neuron level: the owned rows or columns, compact
-                dim, idx = owned_indices(sdp.pieces, sdp.rank, name)
+                dim, idx = owned_indices(global_pieces(sdp.plan), sdp.rank, name)
                 out[name] = torch.full(shape, float("nan")).index_copy_(dim, idx, p.grad)
             continue
         module = sdp.module.get_submodule(path)

@@ -10,7 +10,7 @@ from ..planning.buckets import DEFAULT_BUCKET_CAP_MB
 from .launch import choose_backend
 
 METHODS = ("ddp", "fsdp", "sdp")
-MODELS = ("mlp", "resnet", "llama")  # and hf:DIR, a transformers causal LM's folder
+MODELS = ("mlp", "resnet", "llama", "gpt")  # and hf:DIR, a transformers causal LM's folder
 
 
 def _model_name(value: str) -> str:
@@ -24,14 +24,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="subnet-train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--method", choices=METHODS, default="sdp", help="training method (default sdp)")
-    p.add_argument("--model", type=_model_name, default="mlp", metavar="{mlp,resnet,llama,hf:DIR}",
+    p.add_argument("--model", type=_model_name, default="mlp", metavar="{mlp,resnet,llama,gpt,hf:DIR}",
                    help="hf:DIR: a transformers causal LM (DIR/config.json; weights optional), on token data; "
                         'needs pip install "subnet_ext[hf]"')
-    p.add_argument("--preset", default=None, help="model preset (mlp: tiny; resnet: tiny|small|resnet18; "
-                                                  "llama: tiny|small|medium|134m|1b)")
+    p.add_argument("--preset", default=None, help="model preset (llama: tiny|small|medium|134m|1b; "
+                                                  "gpt: tiny|small|medium)")
     p.add_argument("--width", type=int, default=None, help="override the preset's width")
-    p.add_argument("--data", default="digits",
-                   help="digits (bundled, default) | cifar:PATH (python-pickle layout) | synthetic | tokens:PATH.bin")
+    p.add_argument("--data", default="digits", help="digits (bundled, default) | cifar:PATH (python-pickle layout) "
+                   "| synthetic | pysrc (the Python standard library's sources as characters) | tokens:PATH.bin")
     sdp = p.add_argument_group("SDP")
     sdp.add_argument("--level", choices=("block", "neuron"), default="block")
     sdp.add_argument("--regime", choices=("forward", "backward"), default="forward")
@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
-    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (llama)")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (language models)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: only at the end)")
@@ -95,6 +95,9 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
                    help="autocast dtype of forward + loss; fp16 adds a loss scaler whose skips every rank agrees on")
     t.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each residual block in backward (non-reentrant torch.utils.checkpoint)")
+    t.add_argument("--stochastic-depth", type=float, default=0.0, metavar="P",
+                   help="ddp: drop each residual block with probability P at every step, on each rank independently, "
+                        "and scale the residual branches by 1 - P at evaluation (Huang et al. 2016; 0: off)")
     t.add_argument("--compile", action="store_true",
                    help="torch.compile the training forward (sdp/ddp: the wrapper; fsdp: the model)")
     t.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
@@ -173,6 +176,11 @@ def _check_shard_shared(p, args) -> None:
 
 
 def _check_training_args(p, args) -> None:
+    if not 0.0 <= args.stochastic_depth < 1.0:
+        p.error(f"--stochastic-depth is a drop probability in [0, 1), got {args.stochastic_depth}")
+    if args.stochastic_depth and args.method != "ddp":
+        p.error(f"--stochastic-depth applies to --method ddp (SDP's block level already trains subnetworks; FSDP2 "
+                f"cannot reduce blocks a rank skipped), got --method {args.method}")
     if args.grad_clip is not None and not (args.grad_clip > 0 and math.isfinite(args.grad_clip)):
         p.error(f"--grad-clip must be positive and finite, got {args.grad_clip}")
     if args.warmup_steps >= args.steps and args.warmup_steps:
@@ -185,14 +193,20 @@ def _check_training_args(p, args) -> None:
 
 
 def _check_preset(p, args) -> None:
+    from ..models.gpt import GPT_PRESETS
     from ..models.llama import LLAMA_PRESETS
 
-    if args.model == "llama" and args.preset not in (None, *LLAMA_PRESETS):
-        p.error(f"--preset {args.preset!r} is not a llama preset; choose one of {', '.join(LLAMA_PRESETS)}")
-    if args.model not in ("llama",) and not args.model.startswith("hf:") and args.preset is not None:
-        p.error(f"--preset applies to --model llama only, got --preset {args.preset!r} with --model {args.model}")
-    if args.model == "llama" and args.width is not None:
-        p.error("--width does not apply to llama; pick a --preset instead")
+    presets = {"llama": LLAMA_PRESETS, "gpt": GPT_PRESETS}
+    if args.model in presets and args.preset not in (None, *presets[args.model]):
+        p.error(f"--preset {args.preset!r} is not a {args.model} preset; choose one of "
+                f"{', '.join(presets[args.model])}")
+    if args.model not in presets and not args.model.startswith("hf:") and args.preset is not None:
+        p.error(f"--preset applies to --model llama or gpt only, got --preset {args.preset!r} with --model {args.model}")
+    if args.model in presets and args.width is not None:
+        p.error(f"--width does not apply to {args.model}; pick a --preset instead")
+    if args.model == "gpt" and args.seq_len > GPT_PRESETS[args.preset or "tiny"].block_size:
+        p.error(f"--seq-len {args.seq_len} exceeds the gpt {args.preset or 'tiny'} preset's context of "
+                f"{GPT_PRESETS[args.preset or 'tiny'].block_size} tokens")
 
 
 def _check_checkpoint_args(p, args) -> None:

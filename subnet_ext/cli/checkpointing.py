@@ -21,8 +21,9 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from ..state.checkpoint import (CheckpointError, CheckpointWriteError, find_checkpoint, list_checkpoints,
-                          load_subnet_checkpoint, read_state, save_checkpoint, save_subnet_checkpoint, state_metadata)
+from ..engine.checkpoint import load_subnet_checkpoint, save_subnet_checkpoint
+from ..state.checkpoint import (CheckpointError, CheckpointWriteError, find_checkpoint, list_checkpoints, read_state,
+                                save_checkpoint, state_metadata)
 
 # What must match for a resume; SDP may change world size, coverage, level, regime and
 # sync period (the state is re-planned), DDP/FSDP the world size.
@@ -174,7 +175,7 @@ def _assemble_sdp(folder, manifest, available) -> dict:
     from ..planning.pieces import global_pieces
     from ..planning.plan import SubnetPlan
     from ..planning.pieces import full_rectangle
-    from ..state.held_pieces import as_2d, piece_key
+    from ..state.layout import as_2d, piece_key
 
     plan = SubnetPlan.from_json(manifest["plan"])
     out = {n: torch.zeros(shape, dtype=getattr(torch, plan.tensor_dtypes[n]))

@@ -24,6 +24,7 @@ from .launch import init_distributed, pick_backend
 from . import checkpointing
 from .faults import Faults
 from .methods import ActivationMeter, DDPMethod, FSDPMethod, SDPMethod, peak_rss_bytes
+from .stochastic_depth import StochasticDepth
 from .tasks import build_task
 from .training import OptimizerStep, apply_activation_checkpointing, training_settings
 
@@ -35,12 +36,13 @@ def data_rank(args: Namespace) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def make_method(args: Namespace, model, device):
+def make_method(args: Namespace, model, device, stochastic_depth=None):
     """The training method `args.method` names (DDPMethod, FSDPMethod or SDPMethod) wrapped around
-    `model` on `device`; for SDP the plan is made here, FLOPs traced at the task's input size."""
+    `model` on `device`; for SDP the plan is made here, FLOPs traced at the task's input size.
+    stochastic_depth: the StochasticDepth installed on `model` (ddp only), or None."""
     bucket_cap_mb = getattr(args, "bucket_cap_mb", DEFAULT_BUCKET_CAP_MB)
     if args.method == "ddp":
-        return DDPMethod(model, device, bucket_cap_mb)
+        return DDPMethod(model, device, bucket_cap_mb, stochastic_depth=stochastic_depth)
     if args.method == "fsdp":
         return FSDPMethod(model, device)
     from ..planning.plan import plan_subnetworks
@@ -80,7 +82,8 @@ def run_worker(args: Namespace) -> dict | None:
     model = task.make_model().to(device)
     if args.activation_checkpointing:  # before wrapping: the wrappers see the checkpointed blocks
         apply_activation_checkpointing(model)
-    method = make_method(args, model, device)
+    stochastic = StochasticDepth(model, args.stochastic_depth, args.seed, rank) if args.stochastic_depth else None
+    method = make_method(args, model, device, stochastic)
     if args.compile:
         method.compile()
     optimizer = torch.optim.AdamW(method.parameters(), lr=args.lr, weight_decay=args.weight_decay)
@@ -90,6 +93,8 @@ def run_worker(args: Namespace) -> dict | None:
         resumed = checkpointing.resume(args, method, optimizer)
         if resumed is not None:
             start, history = resumed
+            if stochastic is not None:  # the draws of the steps the resumed run has yet to take
+                stochastic.step = len(history["step"]) - len(history["skipped"])
     history.setdefault("lr", [])
     if args.grad_clip is not None:  # the pre-clip norm is computed only when clipping
         history.setdefault("grad_norm", [])

@@ -53,6 +53,19 @@ class ActivationMeter:
         self._hooks.__exit__(*exc)
 
 
+@contextlib.contextmanager
+def eval_mode(module: nn.Module):
+    """The module in eval mode (dropout off, norms on running statistics, stochastic depth's
+    scaling on) inside the context; its training flags as they were afterwards."""
+    modes = {m: m.training for m in module.modules()}
+    module.eval()
+    try:
+        yield module
+    finally:
+        for m, training in modes.items():
+            m.training = training
+
+
 def peak_rss_bytes() -> int:
     """Peak resident set size of this process in bytes (getrusage ru_maxrss, KiB on Linux, x 1024)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -154,13 +167,16 @@ class DDPMethod(Method):
 
     name = "ddp"
 
-    def __init__(self, model, device, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB):
+    def __init__(self, model, device, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, stochastic_depth=None):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         super().__init__(model)
         self.counter = CommCounter()
+        # Stochastic depth (a StochasticDepth installed on `model`): a rank's dropped blocks get no
+        # gradient, which DDP reduces as zeros only when told to look for unused parameters.
+        self.stochastic_depth = stochastic_depth
         self.ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                       bucket_cap_mb=bucket_cap_mb)
+                       bucket_cap_mb=bucket_cap_mb, find_unused_parameters=stochastic_depth is not None)
         self.ddp.register_comm_hook(None, _counting_allreduce_hook(self.counter))
 
     def forward_module(self):
@@ -172,8 +188,11 @@ class DDPMethod(Method):
         return self.ddp.no_sync()
 
     def after_step(self):
-        """Count one optimizer step (the denominator of the per-step comm averages)."""
+        """Count one optimizer step (the denominator of the per-step comm averages); stochastic
+        depth draws the next step's blocks."""
         self.counter.steps += 1
+        if self.stochastic_depth is not None:
+            self.stochastic_depth.advance()
 
     def comm(self):
         """Counted gradient all-reduce bytes and collectives per step; wire bytes = 2(K-1)/K x bytes (ring)."""
@@ -199,8 +218,9 @@ class DDPMethod(Method):
 
     @torch.no_grad()
     def eval_logits(self, x):
-        """{"full": logits of the replica on x} (e.g. x: [B, in_features] -> [B, num_classes])."""
-        return {"full": self.module(x)}
+        """{"full": output of the replica on x, in eval mode} (e.g. x: [B, in_features] -> logits [B, num_classes])."""
+        with eval_mode(self.module):
+            return {"full": self.module(x)}
 
 
 class FSDPMethod(Method):
@@ -254,8 +274,9 @@ class FSDPMethod(Method):
 
     @torch.no_grad()
     def eval_logits(self, x):
-        """{"full": logits of the sharded model on x} (parameters gathered per module)."""
-        return {"full": self.module(x)}
+        """{"full": output of the sharded model on x, in eval mode} (parameters gathered per module)."""
+        with eval_mode(self.module):
+            return {"full": self.module(x)}
 
 
 def _is_fsdp(m):
@@ -263,12 +284,13 @@ def _is_fsdp(m):
 
 
 def _is_block_list_member(model, name):
-    """Direct children of a ModuleList/Sequential named layers/blocks/layerN: the usual FSDP units."""
-    parts = name.split(".")
-    if len(parts) != 2:
+    """Direct children of a ModuleList (transformer.h, model.layers, blocks) or of a top-level
+    Sequential (ResNet's layerN): the usual FSDP units, at any depth."""
+    if "." not in name:
         return False
-    parent = model.get_submodule(parts[0])
-    return isinstance(parent, (nn.ModuleList, nn.Sequential)) and parts[0] != ""
+    parent_name = name.rsplit(".", 1)[0]
+    parent = model.get_submodule(parent_name)
+    return isinstance(parent, nn.ModuleList) or (isinstance(parent, nn.Sequential) and "." not in parent_name)
 
 
 class SDPMethod(Method):
@@ -279,13 +301,14 @@ class SDPMethod(Method):
 
     def __init__(self, model, plan, regime, sync_every, scale, process_group=None, bucket_cap_mb=DEFAULT_BUCKET_CAP_MB,
                  overlap=True, simulate_rank=None, timeout=None, shard_shared=False):
-        from ..engine import SubnetDataParallel
+        from ..engine import SDPConfig, SubnetDataParallel
 
         super().__init__(model)
-        self.sdp = SubnetDataParallel(model, plan, regime=regime, sync_every=sync_every, scale=scale,
-                                      process_group=process_group, bucket_cap_mb=bucket_cap_mb, overlap=overlap,
-                                      simulate_rank=simulate_rank, timeout=timeout, shard_shared=shard_shared)
+        config = SDPConfig(regime=regime, sync_every=sync_every, scale=scale, bucket_cap_mb=bucket_cap_mb,
+                           overlap=overlap, timeout=timeout, shard_shared=shard_shared)
+        self.sdp = SubnetDataParallel(model, plan, config, process_group=process_group, simulate_rank=simulate_rank)
         self.plan = plan
+        self.simulated = simulate_rank is not None  # one rank alone: only its own subnetwork can be evaluated
 
     def forward_module(self):
         """The module the training forward calls (the SubnetDataParallel wrapper)."""
@@ -333,6 +356,6 @@ class SDPMethod(Method):
     def eval_logits(self, x):
         """{"full": full-model logits, "ensemble": mean of the subnetworks' logits}; a simulated rank
         gives {"subnetwork": its own subnetwork's logits}. Logits [B, num_classes] or [B, T, vocab]."""
-        if self.sdp.simulated:  # one rank alone: only its own subnetwork can be evaluated
+        if self.simulated:
             return {"subnetwork": self.sdp.evaluate(x, modes=("ensemble",))["ensemble"]}
         return self.sdp.evaluate(x, modes=("full", "ensemble"))

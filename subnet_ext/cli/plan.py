@@ -47,14 +47,14 @@ def build_parser() -> argparse.ArgumentParser:
 def sample_input_for(model_name: str, model: nn.Module, seq_len: int = 64, data: str | None = None):
     """(shape, dtype) of one sample `model` reads, for plan_subnetworks(sample_input=...).
 
-    llama: ([1, seq_len], int64) tokens; hf:DIR (a transformers causal LM): None (its forward
+    llama, gpt: ([1, seq_len], int64) tokens; hf:DIR (a transformers causal LM): None (its forward
     cannot be traced on the meta device, so the planner counts FLOPs as 2 x parameters); mlp/plain_mlp: ([1, in_features], param dtype);
     resnet: ([1, in_channels, s, s], param dtype) with s = 8 for --data digits, else 32
     (CIFAR). Raises ValueError for another model name or a non-positive seq_len.
     """
     if model_name.startswith("hf:"):
         return None
-    if model_name == "llama":
+    if model_name in ("llama", "gpt"):
         if not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
         return (1, seq_len), torch.long
@@ -67,7 +67,7 @@ def sample_input_for(model_name: str, model: nn.Module, seq_len: int = 64, data:
         first = next(m for m in model.modules() if isinstance(m, nn.Conv2d))
         side = 8 if data == "digits" else 32
         return (1, first.in_channels, side, side), dtype
-    raise ValueError(f"no sample input known for model {model_name!r}; expected llama, mlp, plain_mlp or resnet")
+    raise ValueError(f"no sample input known for model {model_name!r}; expected llama, gpt, mlp, plain_mlp or resnet")
 
 
 def sharded_row(plan, regime: str, strategy: str) -> tuple:

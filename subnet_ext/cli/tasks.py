@@ -38,16 +38,37 @@ class Task:
     task_type: str
     floor: float | None = None  # known entropy floor of the loss, when the source has one
 
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy (nats) of logits [..., C] against integer targets [...] (flattened)."""
+    def loss(self, output, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy (nats) of the model's logits [..., C] against integer targets [...]
+        (flattened); `output` is the logits or a model output holding them (see logits_of)."""
+        logits = logits_of(output)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
-    def score(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[float, float, int]:
-        """(summed loss, summed correct, count) over a batch, for aggregation."""
+    def score(self, output, targets: torch.Tensor) -> tuple[float, float, int]:
+        """(summed loss, summed correct, count) over a batch, for aggregation; output as for loss."""
+        logits = logits_of(output)
         flat, t = logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1)
         loss = F.cross_entropy(flat, t, reduction="sum").item()
         correct = (flat.argmax(-1) == t).sum().item()
         return loss, correct, t.numel()
+
+
+def logits_of(output) -> torch.Tensor:
+    """The logits in a model's output: the tensor itself, the first element of a tuple such as
+    nanoGPT's (logits, loss) (the GPT's loss is None without targets; the task computes its
+    own), or an object's `.logits` (transformers' outputs).
+
+    Raises:
+        TypeError: an output that holds no tensor of logits in one of those places.
+    """
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    if isinstance(getattr(output, "logits", None), torch.Tensor):
+        return output.logits
+    raise TypeError(f"expected the model to return logits, a (logits, ...) tuple or an object with .logits; got "
+                    f"{type(output).__name__}")
 
 
 def _batch_index(step: int, micro: int, micro_steps: int) -> int:
@@ -75,18 +96,23 @@ def _classification(name, x_train, y_train, x_test, y_test, make_model, batch_si
 
 
 def build_task(data: str, model: str, preset: str | None, batch_size: int, seq_len: int, seed: int,
-               width: int | None = None) -> Task:
-    """Task for `--data` (digits | cifar:PATH | synthetic | tokens:PATH) and `--model`
-    (mlp | resnet | llama | hf:DIR, a transformers causal LM's folder: token data only).
+               width: int | None = None, eval_sequences: int | None = None) -> Task:
+    """Task for `--data` (digits | cifar:PATH | synthetic | tokens:PATH | pysrc) and `--model`
+    (mlp | resnet | llama | gpt | hf:DIR, a transformers causal LM's folder: token data only).
+
+    pysrc: the Python standard library's ASCII sources as characters (data/pysrc.py); its
+    held-out set is `eval_sequences` windows (default 4 x batch_size) evenly spaced over the
+    validation files. Other token sources evaluate on 4 random batches.
 
     Raises:
-        ValueError: an unknown data name, or a model that cannot read that data.
+        ValueError: an unknown data name, a model that cannot read that data, or a sequence
+            longer than the model's context.
         FileNotFoundError: a data path that does not exist.
     """
     overrides = {} if width is None else {"width": width}
     if data == "digits" or data.startswith("cifar:"):
         if _is_language_model(model):
-            raise ValueError(f"--model {model} needs token data (synthetic or tokens:PATH), got --data {data}")
+            raise ValueError(f"--model {model} needs token data (synthetic, pysrc or tokens:PATH), got --data {data}")
         if data == "digits":
             from ..data.digits import load_digits_dataset
 
@@ -109,49 +135,73 @@ def build_task(data: str, model: str, preset: str | None, batch_size: int, seq_l
             kw["in_channels"] = in_shape[0]
         make = lambda: build_model(model, preset=preset, **kw)  # noqa: E731
         return _classification(data.split(":")[0], x_tr, y_tr, x_te, y_te, make, batch_size, seed)
-    if data == "synthetic" or data.startswith("tokens:"):
+    if data in ("synthetic", "pysrc") or data.startswith("tokens:"):
         if not _is_language_model(model):
-            raise ValueError(f"token data needs --model llama or hf:DIR, got --model {model}")
-        return _language_task(data, model, preset, batch_size, seq_len, seed)
-    raise ValueError(f"--data must be digits, cifar:PATH, synthetic or tokens:PATH, got {data!r}")
+            raise ValueError(f"token data needs --model llama, gpt or hf:DIR, got --model {model}")
+        return _language_task(data, model, preset, batch_size, seq_len, seed, eval_sequences)
+    raise ValueError(f"--data must be digits, cifar:PATH, synthetic, pysrc or tokens:PATH, got {data!r}")
 
 
 def _is_language_model(model: str) -> bool:
-    return model == "llama" or model.startswith("hf:")
+    return model in ("llama", "gpt") or model.startswith("hf:")
 
 
-def _language_task(data, model, preset, batch_size, seq_len, seed, eval_steps=4):
-    from ..data.tokens import SyntheticTokens, TokenFileDataset
-
+def _language_model(model, preset, seq_len):
+    """(make_model, vocabulary size) of a language model name; refuses a seq_len beyond the GPT's context."""
     if model.startswith("hf:"):
         from ..models.hf import hf_vocab_size, load_hf_causal_lm
 
         folder = model.split(":", 1)[1]
-        vocab = hf_vocab_size(folder)
-        make = lambda: load_hf_causal_lm(folder)  # noqa: E731
-    else:
-        from ..models.llama import LLAMA_PRESETS
+        return (lambda: load_hf_causal_lm(folder)), hf_vocab_size(folder)
+    if model == "gpt":
+        from ..models.gpt import GPT_PRESETS
 
-        vocab = LLAMA_PRESETS[preset or "tiny"].vocab_size
-        make = lambda: build_model("llama", preset=preset or "tiny")  # noqa: E731
+        cfg = GPT_PRESETS[preset or "tiny"]
+        if seq_len > cfg.block_size:
+            raise ValueError(f"--seq-len {seq_len} exceeds the gpt {preset or 'tiny'} preset's context of "
+                             f"{cfg.block_size} tokens; use --seq-len {cfg.block_size} or less")
+        return (lambda: build_model("gpt", preset=preset or "tiny")), cfg.vocab_size
+    from ..models.llama import LLAMA_PRESETS
+
+    return (lambda: build_model("llama", preset=preset or "tiny")), LLAMA_PRESETS[preset or "tiny"].vocab_size
+
+
+def _token_sources(data, vocab, seq_len, seed, eval_sequences, batch_size):
+    """(training source with .batch(B, generator), eval batches (), entropy floor or None) of token data."""
+    from ..data.tokens import SyntheticTokens, TokenFileDataset
+
+    if data == "pysrc":
+        from ..data.pysrc import VOCAB_SIZE, CharWindows, load_pysrc
+
+        if vocab < VOCAB_SIZE:
+            raise ValueError(f"--data pysrc has {VOCAB_SIZE} characters, more than the model's vocabulary of {vocab}")
+        corpus = load_pysrc()
+        inputs, targets = CharWindows(corpus.val, seq_len).evenly_spaced(eval_sequences or 4 * batch_size)
+        held_out = [(inputs[i:i + batch_size], targets[i:i + batch_size]) for i in range(0, len(inputs), batch_size)]
+        return CharWindows(corpus.train, seq_len), (lambda: iter(held_out)), None
     if data == "synthetic":
-        train_src = SyntheticTokens(vocab_size=vocab, seq_len=seq_len, seed=seed)
-        eval_src = train_src
-        floor = train_src.entropy_rate_nats
+        src = SyntheticTokens(vocab_size=vocab, seq_len=seq_len, seed=seed)
+        floor = src.entropy_rate_nats
     else:
         path = data.split(":", 1)[1]
         if not os.path.exists(path):
             raise FileNotFoundError(f"--data tokens:{path}: no such file (expected a flat uint16 token .bin file)")
-        train_src = TokenFileDataset(path, seq_len, vocab_size=vocab)
-        eval_src, floor = train_src, None
+        src, floor = TokenFileDataset(path, seq_len, vocab_size=vocab), None
+
+    def eval_batches():
+        for i in range(4):
+            yield src.batch(batch_size, torch.Generator().manual_seed(10_000_019 + i))
+
+    return src, eval_batches, floor
+
+
+def _language_task(data, model, preset, batch_size, seq_len, seed, eval_sequences=None):
+    make, vocab = _language_model(model, preset, seq_len)
+    train_src, eval_batches, floor = _token_sources(data, vocab, seq_len, seed, eval_sequences, batch_size)
 
     def batch(step, rank, world, micro=0, micro_steps=1):
         # Distinct streams per (rank, step, micro-batch); the same after a restart.
         gen = torch.Generator().manual_seed(stream_seed(seed, _batch_index(step, micro, micro_steps), rank))
         return train_src.batch(batch_size, gen)
-
-    def eval_batches():
-        for i in range(eval_steps):
-            yield eval_src.batch(batch_size, torch.Generator().manual_seed(10_000_019 + i))
 
     return Task(data.split(":")[0], make, batch, eval_batches, "language", floor)

@@ -21,7 +21,7 @@ PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 LR_SCHEDULES = ("constant", "cosine")
 # What the optimizer step does: recorded in every report ("training") and checkpoint identity.
 TRAINING_KEYS = ("lr", "weight_decay", "lr_schedule", "warmup_steps", "grad_accum", "grad_clip", "precision",
-                 "activation_checkpointing", "compile")
+                 "activation_checkpointing", "compile", "stochastic_depth")
 
 
 def training_settings(args) -> dict:
@@ -94,16 +94,17 @@ def _checkpointed_forward(self, *args, **kwargs):
 def apply_activation_checkpointing(model: nn.Module) -> int:
     """Recompute each residual block in backward instead of keeping its activations.
 
-    The project's blocks (llama decoder layers, ResNet BasicBlock/Bottleneck, residual-MLP
-    blocks) get their instance `forward` wrapped in non-reentrant torch.utils.checkpoint:
-    parameter names and modules stay as they are, so the plan, SDP's surgery (which may
-    replace a whole block) and DDP/FSDP wrapping see the same model. A transformers model
+    The project's blocks (llama decoder layers, GPT blocks, ResNet BasicBlock/Bottleneck,
+    residual-MLP blocks) get their instance `forward` wrapped in non-reentrant
+    torch.utils.checkpoint: parameter names and modules stay as they are, so the plan, SDP's
+    surgery (which may replace a whole block) and DDP/FSDP wrapping see the same model. A transformers model
     uses its own gradient_checkpointing_enable. Call before wrapping. Returns the number
     of blocks wrapped (-1: the transformers model's own mechanism).
 
     Raises:
         ValueError: the model has none of these blocks.
     """
+    from ..models.gpt import Block, ParallelBlock
     from ..models.hf import HFCausalLM
     from ..models.llama import LlamaDecoderLayer
     from ..models.residual_mlp import ResidualMLPBlock
@@ -112,7 +113,8 @@ def apply_activation_checkpointing(model: nn.Module) -> int:
     if isinstance(model, HFCausalLM):
         model.gradient_checkpointing_enable()
         return -1
-    blocks = [m for m in model.modules() if isinstance(m, (LlamaDecoderLayer, ResidualMLPBlock, BasicBlock, Bottleneck))]
+    kinds = (LlamaDecoderLayer, Block, ParallelBlock, ResidualMLPBlock, BasicBlock, Bottleneck)
+    blocks = [m for m in model.modules() if isinstance(m, kinds)]
     if not blocks:
         raise ValueError(f"--activation-checkpointing: {type(model).__name__} has no residual blocks to checkpoint")
     for block in blocks:

@@ -11,9 +11,10 @@ times 1/owner-count. With overlap off every bucket is issued by `finish()`: the 
 buffers and the same sums, only later, so both paths give bit-identical results.
 
 Each bucket has one persistent buffer (like DDP's), reused for gradients and, with
-sync_every > 1, for parameters.
+sync_every > 1, for parameters. Where each piece lives is handed over once, at
+construction, as PiecePlace tables (places.py): the averager calls nothing above comm.
 
-Gradients keep their addresses for the life of the layout, so the prepared segment
+Gradients keep their addresses for the life of the engine, so the prepared segment
 tables are built once and a step neither validates nor uploads one (no host work, no
 device synchronisation, capturable in a CUDA graph). When gradients are averaged every
 step, each parameter with pieces in a bucket gets an engine-owned gradient, its "home",
@@ -28,18 +29,17 @@ replaces it; a parameter without a gradient gets a zero home.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Mapping
 
 import torch
 from torch.autograd import Variable
 
 from .. import ops
 from ..planning.buckets import Bucket
+from ..planning.pieces import Piece
 from .communicator import Communicator
+from .places import PiecePlace, area
 from .prepared import PreparedTables
-from ..planning.pieces import Piece, rectangle
-
-Resolver = Callable[[Piece], tuple]  # piece -> (local tensor, rectangle) on this rank
 
 
 class _BucketState:
@@ -61,7 +61,7 @@ class _BucketState:
         self.gradient_params = []  # the trainable parameters of the held pieces (whose .grad is made a home)
         self._scaled = None  # ([1-D views of the in-place pieces], [their 1/owner-count]), made once
 
-    def table(self, quantity: str, resolve: Resolver):
+    def table(self, quantity: str, source):
         """Which local tensors the held pieces live in, where, and the unpack scale of each
         (1/owner-count; 1 when simulated: "as if every owner held this rank's values").
         Static per quantity, so built once."""
@@ -70,7 +70,7 @@ class _BucketState:
             for p, off in self.held:
                 if quantity == "gradients" and p in self.in_place:
                     continue  # already in the buffer: neither packed nor copied back
-                tensor, (r0, r1, c0, c1) = resolve(p)
+                tensor, (r0, r1, c0, c1) = source(p)
                 if id(tensor) not in tensor_index:
                     tensor_index[id(tensor)] = len(tensor_pieces)
                     tensor_pieces.append(p)
@@ -80,12 +80,14 @@ class _BucketState:
             self.tables[quantity] = (tensor_pieces, table, torch.tensor(scales, dtype=torch.float32))
         return self.tables[quantity]
 
-    def tensors(self, quantity: str, resolve: Resolver):
-        """(local tensors of this step, segment table, scales) of the held pieces."""
-        tensor_pieces, table, scales = self.table(quantity, resolve)
-        return [resolve(p)[0] for p in tensor_pieces], table, scales
+    def tensors(self, quantity: str, source):
+        """(local tensors, segment table, scales) of the held pieces; `source(piece)` ->
+        (the tensor holding the piece's `quantity`, its rectangle) is the averager's."""
+        tensor_pieces, table, scales = self.table(quantity, source)
+        return [source(p)[0] for p in tensor_pieces], table, scales
 
     def ensure_buffer(self, device) -> torch.Tensor:
+        """The bucket's persistent buffer [numel], allocated (zeroed) at its first use."""
         if self.buffer is None:
             # Zeroed once: the alignment gaps between pieces (buckets.py) are never packed,
             # so they stay zero through every all-reduce instead of summing garbage.
@@ -109,26 +111,29 @@ class BucketedAverager:
         rank: this rank in the plan's numbering.
         communicator: issues (or simulates) the collectives and counts them.
         device: where the buffers live.
-        layout: the rank's RankLayout (state/layout.py): its resolve_grad and resolve_value
-            say where each piece's gradient and value live.
+        places: {piece: PiecePlace} for every piece this rank holds (places.py; the engine
+            builds it from the rank's layout): where each piece's value lives, and for an
+            owned parameter piece the Parameter whose gradient carries it.
         overlap: issue a bucket during the backward as soon as it is ready.
-        trainable_ids: ids of the parameters whose gradient hooks report to
-            `on_param_grad_ready` (the engine's trainable parameters).
         average_gradients: False with sync_every > 1 (parameters are averaged after
-            optimizer steps instead): the gradient hooks then do nothing.
+            optimizer steps instead): gradient reports then do nothing.
 
-    One backward's state lives here: whether the end-of-backward callback is queued,
-    which buckets were issued, how many gradients each bucket still waits for.
+    The engine reports gradients (`on_param_grad_ready`, `on_grad_ready`) only in
+    backward passes that average (not under no_sync()). One backward's state lives here:
+    whether the end-of-backward callback is queued, which buckets were issued, how many
+    gradients each bucket still waits for.
     """
 
     def __init__(self, buckets: list[Bucket], rank: int, communicator: Communicator, device: torch.device,
-                 layout, overlap: bool = True, trainable_ids: set = frozenset(), average_gradients: bool = True):
+                 places: Mapping[Piece, PiecePlace], overlap: bool = True, average_gradients: bool = True):
         self.comm, self.device, self.overlap = communicator, device, overlap
         self.average_gradients = average_gradients
-        self.sync_enabled = True  # False: backward passes only accumulate (the engine's no_sync())
+        self.places = dict(places)
         self._queued = False  # the end-of-backward callback is queued on the autograd engine
-        self._pieces_of_param = layout.pieces_by_parameter(set(trainable_ids))
-        self.resolvers = {"gradients": layout.resolve_grad, "parameters": layout.resolve_value}
+        self._pieces_of_param = {}  # id(trainable parameter) -> the held pieces its gradient carries
+        for place in self.places.values():
+            if place.trainable:
+                self._pieces_of_param.setdefault(id(place.param), []).append(place.piece)
         self.states = [_BucketState(b, rank, communicator.simulated) for b in buckets if rank in b.owners]
         self.buckets_of_piece = {}
         for i, s in enumerate(self.states):
@@ -142,30 +147,29 @@ class BucketedAverager:
         self._bucket_places = {}  # id(parameter) -> (bucket state, offset) of a home inside a bucket
         self._direct = set()  # pieces whose gradient the masked kernel writes into the bucket
         if average_gradients:
-            self._place_gradients(layout, set(trainable_ids))
+            self._place_gradients()
 
-    def _place_gradients(self, layout, trainable_ids: set) -> None:
+    def _place_gradients(self) -> None:
         """Decide each communicated parameter's gradient home: in its bucket when the
         parameter is one whole piece in one bucket that is not zero-filled, else standalone."""
-        held = layout.pieces_by_parameter(trainable_ids)
         for s in self.states:
             seen = set()
             for p, off in s.held:
-                param = layout.piece_params.get(p)
-                if param is None and p.is_param:
-                    param = layout.value_of(p.name)
-                if param is None or id(param) not in trainable_ids or id(param) in seen:
+                place = self.places[p]
+                if not place.trainable or id(place.param) in seen:
                     continue
+                param = place.param
                 seen.add(id(param))
                 s.gradient_params.append(param)
-                r0, r1, c0, c1 = rectangle(param.shape, p.dim, layout.local_start[p], p.length)
-                whole = p in layout.piece_params or (r1 - r0) * (c1 - c0) == param.numel()
-                if held.get(id(param)) == [p] and whole and not s.zero_fill and len(self.buckets_of_piece[p]) == 1:
+                whole = area(place.grad_rect) == param.numel()
+                if self._pieces_of_param[id(param)] == [p] and whole and not s.zero_fill and \
+                        len(self.buckets_of_piece[p]) == 1:
                     s.in_place[p] = (off, param.numel())
                     self._bucket_places[id(param)] = (s, off)
 
     def _home(self, param) -> torch.Tensor:
-        """The parameter's gradient home: its place in its bucket, or a standalone zero tensor."""
+        """The parameter's gradient home: its place in its bucket, or a standalone zero tensor
+        (also for a parameter the engine does not train: it stays zero, this rank's share)."""
         home = self._homes.get(id(param))
         if home is None:
             place = self._bucket_places.get(id(param))
@@ -177,9 +181,24 @@ class BucketedAverager:
             self._homes[id(param)] = home
         return home
 
+    def _source(self, quantity: str):
+        """piece -> (tensor holding its `quantity`, its rectangle): a parameter piece's gradient
+        lives in its parameter's home, anything else (values, buffers) where the value lives."""
+        def value(piece):
+            place = self.places[piece]
+            return place.value, place.value_rect
+
+        def gradient(piece):
+            place = self.places[piece]
+            if place.param is None:
+                return place.value, place.value_rect  # a buffer (norm statistics) is averaged as its value
+            return self._home(place.param), place.grad_rect
+
+        return gradient if quantity == "gradients" else value
+
     def _adopt_gradients(self, s: _BucketState) -> None:
         """Make each parameter's home its .grad: copy a gradient autograd allocated afresh
-        into it, or zero it for a parameter that got no gradient (as resolve_grad does)."""
+        into it, or zero it for a parameter that got no gradient this backward."""
         for param in s.gradient_params:
             home = self._home(param)
             grad = param.grad
@@ -226,8 +245,8 @@ class BucketedAverager:
     def on_grad_ready(self, pieces) -> None:
         """The gradients of these held pieces are final for this backward. The first report
         of a backward queues `finish` on the autograd engine for when the backward ends."""
-        if not self.average_gradients or not self.sync_enabled:
-            return  # local SGD (parameters are averaged after optimizer steps instead), or no_sync()
+        if not self.average_gradients:
+            return  # local SGD: parameters are averaged after optimizer steps instead
         if not self._queued:
             self._queued = True
             self._start_backward()
@@ -267,7 +286,7 @@ class BucketedAverager:
             self._next += 1
         for s, quantity_issued, pending in self._issued:
             pending.wait()
-            tensors, table, scales = s.tensors(quantity_issued, self.resolvers[quantity_issued])
+            tensors, table, scales = s.tensors(quantity_issued, self._source(quantity_issued))
             if tensors:
                 key = (id(s), "unpack", quantity_issued)
                 ops.unpack_average_(tensors, self.prepared.get(key, tensors, table, s.buffer, scales), s.buffer)
@@ -286,7 +305,7 @@ class BucketedAverager:
             self._adopt_gradients(s)
         if s.zero_fill:
             buffer.zero_()
-        tensors, table, _ = s.tensors(quantity, self.resolvers[quantity])
+        tensors, table, _ = s.tensors(quantity, self._source(quantity))
         if tensors:
             ops.pack_segments(tensors, self.prepared.get((id(s), "pack", quantity), tensors, table, buffer), buffer)
         self._issued.append((s, quantity, self.comm.all_reduce(buffer, s.bucket.owners, quantity)))

@@ -37,6 +37,7 @@ import weakref
 import torch.distributed as dist
 
 from . import collectives
+from .communicator import CommCounter
 
 _LEDGERS: "weakref.WeakSet[CallLedger]" = weakref.WeakSet()  # live ledgers, told of failed collectives
 _NAMESPACES: dict = {}  # group name -> ledgers made on it in this process (the same order on every rank)
@@ -82,13 +83,13 @@ class CallLedger:
         world_size, rank: the group's size and this rank in it (world_size 1: nothing is exchanged).
         timeout: seconds rank 0 waits for the others' calls (None: the store's timeout).
         communicate: False for a simulated rank (counts calls, exchanges nothing).
-        progress: () -> str, where this rank is in training ("after 17 optimizer steps"),
-            for the failure notes.
+        counter: the engine's CommCounter; its `steps` say where this rank is in training
+            ("after 17 optimizer steps") in the failure notes.
     """
 
-    def __init__(self, process_group, world_size: int, rank: int, timeout: float | None, communicate: bool = True,
-                 progress=None):
-        self.world_size, self.rank, self.progress = world_size, rank, progress
+    def __init__(self, process_group: dist.ProcessGroup | None, world_size: int, rank: int, timeout: float | None,
+                 communicate: bool = True, counter: CommCounter | None = None):
+        self.world_size, self.rank, self.counter = world_size, rank, counter
         self.seq, self.depth, self.last, self.closed = 0, 0, "", False
         store = _default_store() if communicate and world_size > 1 and dist.is_initialized() else None
         self.store = None
@@ -208,7 +209,7 @@ class CallLedger:
         """Record, for the other ranks, that this rank's collective `error` failed; return what
         the ranks were doing when some peer called a collective method this rank did not
         (None otherwise: the failure has another cause)."""
-        progress = self.progress() if self.progress is not None else None
+        progress = f"after {self.counter.steps} optimizer steps" if self.counter is not None else None
         mine = f"rank {self.rank} was in {error.operation} on {error.group}" + (f", {progress}" if progress else "")
         called = {p: self._get(f"call/{p}/{self.seq + 1}") for p in range(self.world_size) if p != self.rank}
         ahead = {p: c for p, c in called.items() if c is not None}
@@ -237,7 +238,7 @@ collectives.add_failure_note(describe_failure)
 
 
 def collective_method(method=None, *, agree: tuple = ()):
-    """Decorator for a method of an object with a `call_ledger` (CallLedger): the method is a
+    """Decorator for a method of an object with a `_call_ledger` (CallLedger): the method is a
     collective, checked on entry (see CallLedger.collective). Named by its own name and, for
     the arguments listed in `agree` that differ from their defaults, their values (e.g.
     `full_state_dict(rank0_only=True)`): ranks that pass different values would issue
@@ -255,14 +256,7 @@ def collective_method(method=None, *, agree: tuple = ()):
             options = [f"{k}={given[k]!r}" for k in agree
                        if k in given and given[k] != signature.parameters[k].default]
             call += f"({', '.join(options)})" if options else ""
-        with self.call_ledger.collective(call):
+        with self._call_ledger.collective(call):
             return method(self, *args, **kwargs)
 
     return checked
-
-
-def checked_call(owner, name: str):
-    """`owner.call_ledger.collective(name)` when `owner` (e.g. a SubnetDataParallel) has a
-    CallLedger, else a context that does nothing: for collectives outside the engine's methods."""
-    ledger = getattr(owner, "call_ledger", None)
-    return ledger.collective(name) if ledger is not None else contextlib.nullcontext()

@@ -11,6 +11,7 @@ Owner sets and ranks are in the plan's numbering (ranks of `process_group`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -42,7 +43,7 @@ class PendingCollective:
     collectives.CollectiveError naming the operation and the group when it fails or
     outlasts its group's timeout."""
 
-    def __init__(self, work, operation: str, group: str, timeout: float | None):
+    def __init__(self, work: dist.Work | None, operation: str, group: str, timeout: float | None):
         self.work, self.operation, self.group, self.timeout = work, operation, group, timeout
 
     def wait(self) -> None:
@@ -71,8 +72,8 @@ class Communicator:
 
     simulated = False
 
-    def __init__(self, owner_sets, world_size: int, rank: int, process_group, counter: CommCounter,
-                 timeout: float | None = None):
+    def __init__(self, owner_sets: Iterable[tuple], world_size: int, rank: int,
+                 process_group: dist.ProcessGroup | None, counter: CommCounter, timeout: float | None = None):
         self.world_size, self.rank, self.process_group, self.counter = world_size, rank, process_group, counter
         self.timeout = timeout
         self.groups = {}

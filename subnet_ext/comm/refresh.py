@@ -7,14 +7,16 @@ identical full parameters.
 """
 from __future__ import annotations
 
+from typing import Mapping
+
 import torch
 
 from .. import ops
 from ..planning.buckets import align_elements
-from .prepared import PreparedTables
-from .communicator import Communicator
 from ..planning.pieces import Piece
-from .averaging import Resolver
+from .communicator import Communicator
+from .places import PiecePlace
+from .prepared import PreparedTables
 
 
 class CopyRefresher:
@@ -32,9 +34,10 @@ class CopyRefresher:
     packing kernels' vector path applies to every segment.
     """
 
-    def __init__(self, pieces: list[Piece], rank: int, world_size: int, resolve: Resolver, comm: Communicator,
-                 quantity: str = "refresh"):
-        self.rank, self.resolve, self.comm, self.quantity = rank, resolve, comm, quantity
+    def __init__(self, pieces: list[Piece], rank: int, world_size: int, places: Mapping[Piece, PiecePlace],
+                 comm: Communicator, quantity: str = "refresh"):
+        self.rank, self.comm, self.quantity = rank, comm, quantity
+        self.places = dict(places)  # where each piece's value lives (every piece: full copies on every rank)
         # (leader, one piece per tensor of the tensor list, table, rows to copy, their scales, total)
         self.broadcasts = []
         self.prepared = PreparedTables()  # segment tables validated once per layout
@@ -46,7 +49,7 @@ class CopyRefresher:
             by_dtype = {}
             for p in pieces:
                 if p.owners[0] == leader and len(p.owners) < world_size:
-                    tensor, rect = resolve(p)
+                    tensor, rect = self._value(p)
                     by_dtype.setdefault(tensor.dtype, []).append((p, tensor, rect))
             for items in by_dtype.values():
                 tensor_pieces, tensor_index, rects = [], {}, []
@@ -62,6 +65,11 @@ class CopyRefresher:
                 self.broadcasts.append((leader, tensor_pieces, table, table[keep],
                                         torch.ones(len(keep), dtype=torch.float32), total))
 
+    def _value(self, piece: Piece) -> tuple[torch.Tensor, tuple]:
+        """(the tensor holding the piece's value, its rectangle in that tensor's 2-D view)."""
+        place = self.places[piece]
+        return place.value, place.value_rect
+
     @property
     def buffer_bytes(self) -> int:
         """Bytes of the persistent refresh buffer (0 before the first refresh)."""
@@ -74,7 +82,7 @@ class CopyRefresher:
         view = self._views.get(i)
         if view is None:
             if self.buffer is None:
-                nbytes = max(n * self.resolve(pieces[0])[0].element_size()
+                nbytes = max(n * self._value(pieces[0])[0].element_size()
                              for _, pieces, _, _, _, n in self.broadcasts)
                 self.buffer = torch.zeros(nbytes, dtype=torch.uint8, device=like.device)
             view = self.buffer.narrow(0, 0, total * like.element_size()).view(like.dtype)
@@ -82,8 +90,9 @@ class CopyRefresher:
         return view
 
     def __call__(self) -> None:
+        """Broadcast each leader's pieces and overwrite the copies of ranks that do not own them."""
         for i, (leader, tensor_pieces, table, keep_table, ones, total) in enumerate(self.broadcasts):
-            tensors = [self.resolve(p)[0] for p in tensor_pieces]
+            tensors = [self._value(p)[0] for p in tensor_pieces]
             buffer = self._view(i, total, tensors[0])
             if self.rank == leader:
                 ops.pack_segments(tensors, self.prepared.get((i, "pack"), tensors, table, buffer), buffer)

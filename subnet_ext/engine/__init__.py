@@ -1,4 +1,5 @@
-"""The engine: `SubnetDataParallel`, the model surgery of each regime, and its reports."""
+"""The engine: `SubnetDataParallel` and its `SDPConfig`, the model surgery of each regime, and its reports."""
+from .config import SDPConfig
 from .data_parallel import SubnetDataParallel
 
-__all__ = ["SubnetDataParallel"]
+__all__ = ["SDPConfig", "SubnetDataParallel"]

@@ -31,30 +31,32 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from ..comm.averaging import BucketedAverager
-from ..comm.refresh import CopyRefresher
-from ..planning.buckets import DEFAULT_BUCKET_CAP_MB, build_buckets
-from ..comm.communicator import CommCounter, Communicator, SimulatedCommunicator
 from ..comm import collectives
+from ..comm.averaging import BucketedAverager
 from ..comm.call_check import CallLedger, collective_method
-from ..state import consistency
-from . import clipping, evaluation, guard, reports
-from ..state import full_optim_state
-from ..comm.collectives import as_timedelta
-from ..planning.costs import DEFAULT_LATENCY_BYTES, choose_strategy
+from ..comm.communicator import CommCounter, Communicator, SimulatedCommunicator
+from ..comm.refresh import CopyRefresher
+from ..planning.buckets import build_buckets
+from ..planning.costs import choose_strategy
 from ..planning.pieces import global_pieces
-from ..planning.sharding import communicated_pieces
 from ..planning.plan import SubnetPlan, model_fingerprint
+from ..planning.sharding import communicated_pieces
+from ..state import consistency, full_optim_state
 from ..state.aliases import with_aliases, without_aliases
 from ..state.assembly import assemble, load_pieces
 from ..state.layout import RankLayout
-from .restore import meta_skeleton, restore_structure
+from . import clipping, evaluation, guard, reports
+from .config import SDPConfig, config_from
 from .ddp_interface import DDPInterface
 from .optimizer_guard import OptimizerGuard
-from .state_dict_guard import install_state_dict_guard
-from .setup import REGIMES, SCALES, check_arguments, weak_call, world_and_rank  # noqa: F401
+from .phase import Phase
+from .residual_scale import check_residual_scale, scale_full_state
+from .restore import meta_skeleton, restore_structure
+from .setup import check_placement, weak_call, world_and_rank
 from .sharding import SharedShards
+from .state_dict_guard import install_state_dict_guard
 from .surgery import attach_direct_gradients, materialise_forward, prepare_backward
+
 
 class SubnetDataParallel(DDPInterface, nn.Module):
     """Wraps `model` (modified in place) so this rank trains its subnetwork of `plan`.
@@ -62,37 +64,25 @@ class SubnetDataParallel(DDPInterface, nn.Module):
     Args:
         model: the full model, identical on every rank (rank 0's values are broadcast).
         plan: from plan_subnetworks(model, world_size, ...) on the same model structure.
-        regime: "forward" (materialise only the subnetwork) or "backward" (full model,
-            owned weight gradients and optimizer state only).
-        sync_every: H; 1 averages gradients every step, H > 1 averages parameters every
-            H optimizer steps (local SGD within owner groups).
-        scale: "inverse" multiplies the input of each neuron group's consumer by h/h_k
-            (forward regime, neuron level); "none" does nothing.
+        config: the engine's options, an SDPConfig (regime, sync_every, scale, strategy,
+            latency_bytes, bucket_cap_mb, overlap, timeout, shard_shared; config.py).
+            The same options may be given as keywords instead (`regime="backward"`).
         process_group: the group the plan's ranks live in (default: the world).
-        strategy: "auto" (cost model), "groups" (collectives per owner set) or
-            "zero_filled" (world all-reduces, zeros where a rank holds nothing).
-        bucket_cap_mb: a bucket (one packed collective) closes at this many MiB.
-        overlap: issue each bucket's all-reduce during the backward as soon as its
-            gradients are ready (False: all of them when the backward ends; same results).
         simulate_rank: run only rank r of the plan's K ranks, alone, without
             torch.distributed: collectives are no-ops that still count their bytes, so the
             memory and time of one rank of a K-rank job can be measured on one device.
-        timeout: seconds any of the engine's collectives may take before it raises a
-            CollectiveError naming the operation and the group (None: the process
-            group's own timeout). See collectives.py.
-        shard_shared: shard the plan's shared parameters over the group with torch's FSDP2
-            (gathered per use, gradients reduce-scattered, optimizer state sharded); SDP
-            averages only the units. Needs sync_every=1 and no simulate_rank. See sharding.py.
+
+    Attributes:
+        module: the wrapped model (this rank's subnetwork), as DDP's `module`.
+        plan: the plan; config: the SDPConfig; rank, world_size: this rank and K.
     """
 
-    def __init__(self, model: nn.Module, plan: SubnetPlan, regime: str = "forward", sync_every: int = 1,
-                 scale: str = "none", process_group=None, strategy: str = "auto",
-                 latency_bytes: float = DEFAULT_LATENCY_BYTES, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
-                 overlap: bool = True, simulate_rank: int | None = None, timeout: float | None = None,
-                 shard_shared: bool = False):
+    def __init__(self, model: nn.Module, plan: SubnetPlan, config: SDPConfig | None = None, *, process_group=None,
+                 simulate_rank: int | None = None, **options):
         super().__init__()
-        check_arguments(plan, regime, sync_every, scale, bucket_cap_mb, shard_shared, simulate_rank is not None)
-        self.simulated = simulate_rank is not None
+        config = config_from(config, options)
+        check_placement(config, plan, simulate_rank is not None)
+        self._simulated = simulate_rank is not None
         self.world_size, self.rank = world_and_rank(plan, process_group, simulate_rank)
         if plan.world_size != self.world_size:
             raise ValueError(f"the plan was made for world size {plan.world_size}, but the process group has "
@@ -101,125 +91,124 @@ class SubnetDataParallel(DDPInterface, nn.Module):
         if fingerprint != plan.fingerprint:
             raise ValueError(f"the plan was made for another model (structure fingerprint {plan.fingerprint}, "
                              f"this model {fingerprint}); plan this model with plan_subnetworks")
-        self.plan, self.regime, self.sync_every, self.scale = plan, regime, sync_every, scale
-        self.process_group = process_group
-        as_timedelta(timeout)  # validates it before any collective
-        self.timeout = timeout
+        self.plan, self.config, self._process_group = plan, config, process_group
+        self._phase = Phase.TRAINING
         first = next(iter(model.parameters()), None)
-        self.device = first.device if first is not None else torch.device("cpu")
+        self._device = first.device if first is not None else torch.device("cpu")
         self._sync_initial_state(model)
         self._optimizer_guard = OptimizerGuard(model)  # the Parameters an optimizer built before wrapping holds
         self.__dict__["_skeleton"] = meta_skeleton(model)  # not a submodule: no state of its own
 
         pieces = global_pieces(plan)
-        if regime == "forward":
-            self._hooks = materialise_forward(model, plan, pieces, self.rank, scale)
+        if config.regime == "forward":
+            self._hooks = materialise_forward(model, plan, pieces, self.rank, config.scale)
             piece_params, value_refs = {}, {}
         else:
             piece_params, value_refs, self._hooks = prepare_backward(model, plan, pieces, self.rank)
         self.module = model
-        self.layout = RankLayout(plan, self.rank, self.world_size, self.device, model, compact=regime == "forward",
-                                 piece_params=piece_params, value_refs=value_refs)
-        self.pieces, self.local_start = self.layout.pieces, self.layout.local_start
-        self.integer_entries = self.layout.integer_entries
-        self.shared_shards = SharedShards(model, self.layout, process_group, self.device) if shard_shared else None
+        self._shards = SharedShards(model, plan, process_group, self._device) if config.shard_shared else None
+        # Built once, after every change to the model (surgery, FSDP2's DTensor parameters).
+        self._layout = RankLayout(plan, self.rank, self.world_size, self._device, model,
+                                  compact=config.regime == "forward", piece_params=piece_params,
+                                  value_refs=value_refs, sharded=self._shards.names if self._shards else (),
+                                  trainable=[p for p in model.parameters() if p.requires_grad])
+        self._setup_communication()
+        self._install_hooks(model)
 
-        self._trainable = [p for p in model.parameters() if p.requires_grad]
-        self._trainable_ids = {id(p) for p in self._trainable}
-        self._setup_communication(strategy, latency_bytes, bucket_cap_mb * 2**20, overlap, timeout)
-        # Backward regime: the masked kernel writes owned weight gradients into their buckets.
-        self.direct_gradient_runs = 0
-        if regime == "backward" and sync_every == 1:
-            self.direct_gradient_runs = attach_direct_gradients(
-                model, self.layout.piece_params, self._averager.direct_gradient_view,
-                weak_call(weakref.ref(self), lambda engine, piece: engine._averager.on_grad_ready((piece,))))
-        self.optimizer_steps = 0
-        self._install_hooks(model, shard_shared)
+    def _setup_communication(self) -> None:
+        """Strategy (cost model), bucket layout, process groups (or their simulation), averager,
+        refresh: each handed the typed places of this rank's pieces, nothing of the engine."""
+        config, sharded = self.config, self._shards is not None  # FSDP2 communicates the shared parameters
+        self._strategy, self._strategy_costs = choose_strategy(self.plan, config.strategy, config.latency_bytes,
+                                                               config.bucket_cap_bytes, shard_shared=sharded)
+        self._counter = CommCounter()  # its `steps` is the engine's one count of optimizer steps
+        buckets = build_buckets(self.plan, communicated_pieces(self.plan, sharded), self._strategy,
+                                config.bucket_cap_bytes)
+        owner_sets = [b.owners for b in buckets]  # the groups averaging uses; the refresh uses the world
+        self._comm = SimulatedCommunicator(self.world_size, self.rank, self._counter) if self._simulated else \
+            Communicator(owner_sets, self.world_size, self.rank, self._process_group, self._counter, config.timeout)
+        places = self._layout.averaging_places()
+        self._averager = BucketedAverager(buckets, self.rank, self._comm, self._device, places,
+                                          overlap=config.overlap, average_gradients=config.sync_every == 1)
+        self._refresh = CopyRefresher(self._layout.pieces, self.rank, self.world_size, places, self._comm) \
+            if config.regime == "backward" else None
 
-    def _install_hooks(self, model: nn.Module, shard_shared: bool) -> None:
+    def _install_hooks(self, model: nn.Module) -> None:
         """Gradient-ready and optimizer-step hooks, and what meets a DDP script's habits: an
         optimizer built before wrapping is refused at its first step, the wrapped model's own
         state_dict() does not pass for the model's, collective methods are called in one order."""
-        for p in self._trainable:
+        me = weakref.ref(self)
+        # Backward regime: the masked kernel writes owned weight gradients into their buckets.
+        self._direct_gradient_runs = 0
+        if self.config.regime == "backward" and self.config.sync_every == 1:
+            self._direct_gradient_runs = attach_direct_gradients(
+                model, self._layout.piece_params, self._averager.direct_gradient_view,
+                weak_call(me, lambda engine, piece: engine._gradients_ready((piece,))))
+        for p in self._layout.trainable:
             self._hooks.append(p.register_post_accumulate_grad_hook(
-                weak_call(weakref.ref(self), lambda engine, param: engine._averager.on_param_grad_ready(param))))
+                weak_call(me, lambda engine, param: engine._gradients_ready(param=param))))
         # Hooks hold the engine weakly. The optimizer-hook registry is global, and a tensor's
         # hooks are kept from C++, where Python's garbage collector cannot see the cycle
         # parameter -> hook -> engine -> module -> parameter: strong references would keep
         # every engine, and the process groups it holds, alive until the interpreter shuts
         # down, when destroying a gloo group can abort the process.
-        step_hook = register_optimizer_step_post_hook(
-            weak_call(weakref.ref(self), SubnetDataParallel._on_optimizer_step))
+        step_hook = register_optimizer_step_post_hook(weak_call(me, SubnetDataParallel._on_optimizer_step))
         weakref.finalize(self, step_hook.remove)
-        self._optimizer_guard.attach(self._trainable_ids, self.rank, model)
+        self._optimizer_guard.attach({id(p) for p in self._layout.trainable}, self.rank, model)
         guard_hook = register_optimizer_step_pre_hook(self._optimizer_guard)  # holds no engine reference
         weakref.finalize(self, guard_hook.remove)
-        self._hooks += [step_hook, guard_hook] + install_state_dict_guard(model, self.plan, self.rank, shard_shared)
+        self._hooks += [step_hook, guard_hook] + install_state_dict_guard(model, self.plan, self.rank,
+                                                                          self._shards is not None)
         # Every rank calls the collective methods in one order: checked on a gloo group of its own.
-        self.call_ledger = CallLedger(self.process_group, self.world_size, self.rank, self.timeout,
-                                      not self.simulated, weak_call(weakref.ref(self), SubnetDataParallel._progress))
+        self._call_ledger = CallLedger(self._process_group, self.world_size, self.rank, self.config.timeout,
+                                       not self._simulated, self._counter)
 
-    def _setup_communication(self, strategy, latency_bytes, bucket_cap_bytes, overlap, timeout) -> None:
-        """Strategy (cost model), bucket layout, process groups (or their simulation), averager."""
-        self.bucket_cap_bytes = bucket_cap_bytes
-        sharded = self.shared_shards is not None  # FSDP2 communicates the shared parameters
-        self.strategy, self.strategy_costs = choose_strategy(self.plan, strategy, latency_bytes, bucket_cap_bytes,
-                                                             shard_shared=sharded)
-        self.counter = CommCounter()
-        self.buckets = build_buckets(self.plan, communicated_pieces(self.plan, sharded), self.strategy,
-                                     bucket_cap_bytes)
-        owner_sets = [b.owners for b in self.buckets]  # the groups averaging uses; the refresh uses the world
-        self._comm = SimulatedCommunicator(self.world_size, self.rank, self.counter) if self.simulated else \
-            Communicator(owner_sets, self.world_size, self.rank, self.process_group, self.counter, timeout)
-        self._averager = BucketedAverager(self.buckets, self.rank, self._comm, self.device, self.layout,
-                                          overlap=overlap, trainable_ids=self._trainable_ids,
-                                          average_gradients=self.sync_every == 1)
-        self._refresh = CopyRefresher(self.pieces, self.rank, self.world_size, self.layout.resolve_value,
-                                      self._comm) \
-            if self.regime == "backward" else None
+    # ------------------------------------------------------------------ the step
+    def _gradients_ready(self, pieces=(), param=None) -> None:
+        """A gradient hook's report (a parameter's, or pieces the masked kernel wrote): passed
+        to the averager in a backward that averages, dropped while accumulating (no_sync)."""
+        if self._phase is not Phase.TRAINING:
+            return
+        if param is not None:
+            self._averager.on_param_grad_ready(param)
+        else:
+            self._averager.on_grad_ready(pieces)
 
-    # ------------------------------------------------------------------ lookup
-    def value_of(self, name: str) -> torch.Tensor:
-        """The local tensor holding state-dict entry `name` (compact in the forward regime)."""
-        self._check_open("value_of")
-        return self.layout.value_of(name)
-
-    def holds_whole(self, name: str) -> bool:
-        """True when this rank holds state-dict entry `name` as a local tensor."""
-        self._check_open("holds_whole")
-        return self.layout.holds_whole(name)
-
-    # ------------------------------------------------------------------ sync points
     def _sync_initial_state(self, model: nn.Module) -> None:
         """Every rank starts from rank 0's values (as torch DDP does)."""
-        if self.world_size == 1 or self.simulated or not dist.is_initialized():
+        if self.world_size == 1 or self._simulated or not dist.is_initialized():
             return
-        src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
-        collectives.broadcast_by_dtype(list(model.state_dict(keep_vars=True).values()), src, self.process_group,
-                                       self.timeout)
+        src = dist.get_global_rank(self._process_group, 0) if self._process_group is not None else 0
+        collectives.broadcast_by_dtype(list(model.state_dict(keep_vars=True).values()), src, self._process_group,
+                                       self.config.timeout)
 
     def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
-        if not any(id(p) in self._trainable_ids for g in optimizer.param_groups for p in g["params"]):
+        if not any(self._layout.is_trainable(p) for g in optimizer.param_groups for p in g["params"]):
             return
         self.after_step()
-
-    def _progress(self) -> str:
-        return f"after {self.optimizer_steps} optimizer steps"
 
     def after_step(self) -> None:
         """Called after each optimizer step (automatically for torch.optim optimizers)."""
         self._check_open("after_step")
-        self.optimizer_steps += 1
-        self.counter.steps += 1
-        sync_point = self.optimizer_steps % self.sync_every == 0
+        self._counter.steps += 1
+        sync_point = self._counter.steps % self.config.sync_every == 0
         with torch.no_grad():
-            if self.sync_every > 1 and sync_point:
+            if self.config.sync_every > 1 and sync_point:
                 self._averager.average_now("parameters")
             # Between synchronisation points a rank's copies of units it does not own keep
             # their last refreshed values (the full forward still uses them): refreshing them
             # every step would cost the refresh's bytes H times per averaging for no agreement.
-            if self.regime == "backward" and sync_point:
+            if self._refresh is not None and sync_point:
                 self._refresh()
+
+    def _state_access(self, what: str) -> tuple[RankLayout, object]:
+        """(layout, process group) for a method that reads or writes pieces, once the engine is
+        known to be open and FSDP2's shards are back in the model (a forward without its
+        backward leaves them gathered): resharding is this explicit step, never a lookup's."""
+        self._check_open(what)
+        if self._shards is not None:
+            self._shards.reshard()
+        return self._layout, self._process_group
 
     # ------------------------------------------------------------------ public API
     def forward(self, *args, **kwargs):
@@ -227,33 +216,37 @@ class SubnetDataParallel(DDPInterface, nn.Module):
         on the inputs; same arguments and output shapes as the unwrapped model."""
         self._check_open("forward")
         out = self.module(*args, **kwargs)
-        if self.shared_shards is not None and not torch.is_grad_enabled():
-            self.shared_shards.module.reshard()  # no backward will reshard the gathered shared parameters
+        if self._shards is not None and not torch.is_grad_enabled():
+            self._shards.reshard()  # no backward will reshard the gathered shared parameters
         return out
 
     @collective_method(agree=("rank0_only",))
-    def full_state_dict(self, rank0_only: bool = False, cpu_offload: bool = False) -> dict:
+    def full_state_dict(self, rank0_only: bool = False, cpu_offload: bool = False, residual_scale=None) -> dict:
         """The whole model's state dict (original names and shapes), identical on every rank, or with
         FSDP's `rank0_only` on rank 0 alone ({} elsewhere, which hold one bounded chunk at a time), on
-        the CPU with `cpu_offload`. Collective: every rank must call it. See state/full_gather.py."""
-        self._check_open("full_state_dict")
+        the CPU with `cpu_offload`. residual_scale="owner_fraction" (block level) scales each block's
+        residual branches by owners / K in the weights (residual_scale.py). Collective: every rank
+        must call it. See state/full_gather.py."""
+        layout, group = self._state_access("full_state_dict")
         self._refuse_if_simulated("full_state_dict")
-        return with_aliases(self.plan, assemble(self.layout, reduce=True, process_group=self.process_group,
-                                                timeout=self.timeout, rank0_only=rank0_only, cpu_offload=cpu_offload))
+        check_residual_scale(residual_scale)
+        full = with_aliases(self.plan, assemble(layout, reduce=True, process_group=group, timeout=self.config.timeout,
+                                                rank0_only=rank0_only, cpu_offload=cpu_offload))
+        return scale_full_state(full, self.plan, self._skeleton, residual_scale) if full else full
 
     def local_full_state_dict(self) -> dict:
         """This rank's values in the original names and shapes, NaN where it holds nothing."""
-        self._check_open("local_full_state_dict")
-        if self.regime == "backward":
-            own = assemble(self.layout, reduce=False) if self.shared_shards is not None else {}  # shard rows
-            return with_aliases(self.plan, {n: own[n] if n in self.layout.sharded else self.value_of(n).detach().clone()
+        layout, _ = self._state_access("local_full_state_dict")
+        if self.config.regime == "backward":
+            own = assemble(layout, reduce=False) if layout.sharded else {}  # shard rows
+            return with_aliases(self.plan, {n: own[n] if n in layout.sharded else layout.value_of(n).detach().clone()
                                             for n in self.plan.tensor_shapes})
-        return with_aliases(self.plan, assemble(self.layout, reduce=False))
+        return with_aliases(self.plan, assemble(layout, reduce=False))
 
     def load_full_state_dict(self, state_dict: dict) -> None:
         """Start from a full-model state dict (e.g. a checkpoint of the unmasked model)."""
-        self._check_open("load_full_state_dict")
-        load_pieces(self.layout, without_aliases(self.plan, state_dict))
+        layout, _ = self._state_access("load_full_state_dict")
+        load_pieces(layout, without_aliases(self.plan, state_dict))
 
     @collective_method(agree=("rank0_only",))
     def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, rank0_only: bool = False,
@@ -261,29 +254,29 @@ class SubnetDataParallel(DDPInterface, nn.Module):
         """The optimizer state in torch's full format (get_optimizer_state_dict(..., full_state_dict=True)
         of DDP/FSDP2): {"state": {name: {"exp_avg": [param shape], ..., "step": 0-d}}, "param_groups":
         [{..., "params": [name, ...]}]}; options as full_state_dict's. Collective. See state/full_optim_state.py."""
-        self._check_open("full_optimizer_state_dict")
-        return full_optim_state.full_optimizer_state_dict(self.layout, optimizer, self.process_group, self.timeout,
+        layout, group = self._state_access("full_optimizer_state_dict")
+        return full_optim_state.full_optimizer_state_dict(layout, optimizer, group, self.config.timeout,
                                                           rank0_only, cpu_offload)
 
     def load_full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict,
                                        strict: bool = True) -> None:
         """Give `optimizer` (over this engine's parameters) its share of a full optimizer state
         (SDP's, or torch's full one from DDP/FSDP2); `strict=False` as torch's option."""
-        self._check_open("load_full_optimizer_state_dict")
-        full_optim_state.load_full_optimizer_state_dict(self.layout, optimizer, state, strict)
+        layout, _ = self._state_access("load_full_optimizer_state_dict")
+        full_optim_state.load_full_optimizer_state_dict(layout, optimizer, state, strict)
 
     @collective_method
     def verify_consistency(self) -> None:
         """Raise ConsistencyError naming the unit and the ranks unless the owners of every
         unit hold bit-identical values. Collective; call it at a synchronisation point."""
-        self._check_open("verify_consistency")
-        consistency.verify_consistency(self.layout, self.process_group, self.timeout)
+        layout, group = self._state_access("verify_consistency")
+        consistency.verify_consistency(layout, group, self.config.timeout)
 
     def gradients_finite(self) -> bool:
         """True when every rank's gradients are finite (one all-reduced flag); when False,
         skip optimizer.step() on every rank. Collective. See guard.py."""
         self._check_open("gradients_finite")
-        return guard.gradients_finite(self._trainable, self.process_group, self.timeout)
+        return guard.gradients_finite(self._layout.trainable, self._process_group, self.config.timeout)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                         foreach: bool | None = None) -> torch.Tensor:
@@ -291,37 +284,44 @@ class SubnetDataParallel(DDPInterface, nn.Module):
         method); returns that norm (0-d), the same on every rank. Collective; call it after
         backward, before optimizer.step(). With sync_every > 1 it clips each rank by its own
         gradients' norm (local SGD). See clipping.py."""
-        return clipping.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite, foreach)
+        layout, _ = self._state_access("clip_grad_norm_")
+        communicate = self.world_size > 1 and not self._simulated and dist.is_initialized()
+        return clipping.clip_grad_norm_(layout, max_norm, norm_type, error_if_nonfinite, foreach,
+                                        local_sgd=self.config.sync_every > 1, communicate=communicate,
+                                        group=self._comm.world_group, timeout=self.config.timeout)
 
     @collective_method
-    def full_model(self) -> nn.Module:
-        """A new, unmasked model holding the assembled full state, ties kept (collective)."""
+    def full_model(self, residual_scale=None) -> nn.Module:
+        """A new, unmasked model holding the assembled full state, ties kept (collective);
+        residual_scale as full_state_dict's."""
         self._check_open("full_model")
-        return evaluation.full_model(self._skeleton, self.plan, self.full_state_dict())
+        return evaluation.full_model(self._skeleton, self.plan, self.full_state_dict(residual_scale=residual_scale))
 
     @collective_method
     @torch.no_grad()
-    def evaluate(self, *inputs, modes=("full", "ensemble"), loss_fn=None, targets=()) -> dict:
+    def evaluate(self, *inputs, modes=("full", "ensemble"), loss_fn=None, targets=(), residual_scale=None) -> dict:
         """{mode: output}, each the model's output structure (tensors in tuples, lists, dicts,
         dataclasses, ModelOutputs), floating tensors as float32 (e.g. logits [B, C]):
         "full": the union of subnetworks; "ensemble": the ranks' subnetwork outputs averaged
         (one all-reduce); "subnetwork": this rank's own. With `loss_fn(output, *targets)` ->
         scalar also "loss": {"full": 0-d, "ensemble": 0-d (of the averaged output),
         "subnetworks": [K], rank r's own at r (NaN for ranks a simulated engine lacks)}.
-        Collective; eval mode, restored. See evaluation.py."""
+        residual_scale: of "full", as full_state_dict's. Collective; eval mode, restored. See evaluation.py."""
         self._check_open("evaluate")
+        check_residual_scale(residual_scale)
         if "full" in evaluation.check_request(modes, loss_fn, targets)[0]:
             self._refuse_if_simulated("evaluate(modes=('full', ...))")
-        communicate = self.world_size > 1 and not self.simulated  # simulated: its own subnetwork alone
-        out = evaluation.evaluate(self.module, self._skeleton, self.plan, inputs, modes, self.full_state_dict,
-                                  (communicate, self.process_group, self.world_size, self.rank, self.timeout),
+        communicate = self.world_size > 1 and not self._simulated  # simulated: its own subnetwork alone
+        out = evaluation.evaluate(self.module, self._skeleton, self.plan, inputs, modes,
+                                  lambda: self.full_state_dict(residual_scale=residual_scale),
+                                  (communicate, self._process_group, self.world_size, self.rank, self.config.timeout),
                                   loss_fn, targets)
-        if self.shared_shards is not None:
-            self.shared_shards.module.reshard()  # the no-grad forward left them gathered
+        if self._shards is not None:
+            self._shards.reshard()  # the no-grad forward left them gathered
         return out
 
     def _refuse_if_simulated(self, what: str) -> None:
-        if self.simulated:
+        if self._simulated:
             raise ValueError(f"{what} needs every rank's share of the model, but this engine simulates rank "
                              f"{self.rank} of {self.world_size} alone; use evaluate(modes=('ensemble',)) for "
                              "this rank's subnetwork")
@@ -330,9 +330,9 @@ class SubnetDataParallel(DDPInterface, nn.Module):
         """Bytes handed to collectives and collectives issued, in total and per optimizer step,
         beside the cost model's prediction per synchronisation (see reports.comm_stats)."""
         self._check_open("comm_stats")
-        return reports.comm_stats(self.counter, self.plan, self.rank, self.strategy, self.strategy_costs,
-                                  self.regime, self.bucket_cap_bytes, self._averager,
-                                  self.direct_gradient_runs, self.simulated, self.shared_shards is not None)
+        return reports.comm_stats(self._counter, self.plan, self.rank, self._strategy, self._strategy_costs,
+                                  self.config.regime, self.config.bucket_cap_bytes, self._averager,
+                                  self._direct_gradient_runs, self._simulated, self._shards is not None)
 
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict:
         """Bytes this rank holds: parameters, gradients, optimizer state, buffers.
@@ -342,20 +342,20 @@ class SubnetDataParallel(DDPInterface, nn.Module):
         bucket (comm/averaging.py) counts its own bytes as a gradient (not the whole
         bucket); `communication_buffers` counts the buckets whole, so the two overlap by
         `gradients_in_buffers`; `refresh_buffer`: the backward regime's refresh buffer."""
-        self._check_open("memory_report")
-        return reports.memory_report(self.module, self.layout.local_tensors(), self._averager, self.device,
-                                     optimizer, self.shared_shards, self._refresh)
+        layout, _ = self._state_access("memory_report")
+        return reports.memory_report(self.module, layout.local_tensors(), self._averager, self._device,
+                                     optimizer, self._shards, self._refresh)
 
     def predicted_model_state_bytes(self, optimizer_state_per_param: float = 2.0) -> float:
         """Plan's prediction of parameters + gradients + optimizer state (Adam: 2 x params)."""
-        return reports.predicted_model_state_bytes(self.plan, self.rank, self.regime, optimizer_state_per_param,
-                                                   self.shared_shards is not None)
+        return reports.predicted_model_state_bytes(self.plan, self.rank, self.config.regime,
+                                                   optimizer_state_per_param, self._shards is not None)
 
     def extra_repr(self) -> str:
         """regime, level, rank/world size, coverage, sync period and bucket strategy, for repr()."""
-        return (f"regime={self.regime!r}, level={self.plan.level!r}, rank={self.rank}/{self.world_size}, "
-                f"coverage={self.plan.coverage}, sync_every={self.sync_every}, strategy={self.strategy!r}, "
-                f"shard_shared={self.shared_shards is not None}")
+        return (f"regime={self.config.regime!r}, level={self.plan.level!r}, rank={self.rank}/{self.world_size}, "
+                f"coverage={self.plan.coverage}, sync_every={self.config.sync_every}, strategy={self._strategy!r}, "
+                f"shard_shared={self._shards is not None}")
 
     @collective_method
     def close(self) -> None:
@@ -367,23 +367,23 @@ class SubnetDataParallel(DDPInterface, nn.Module):
         the assembled full state is loaded into the model. The engine refuses further use.
         """
         self._check_open("close")
-        if self.shared_shards is not None:
+        if self._shards is not None:
             raise ValueError("close() cannot give back a model whose shared parameters FSDP2 sharded "
                              "(shard_shared=True); use full_model() or full_state_dict() for the trained model")
         full = self.full_state_dict()
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        self.call_ledger.close()
-        restore_structure(self.module, self._skeleton, self.device)
+        self._call_ledger.close()
+        restore_structure(self.module, self._skeleton, self._device)
         self.module.load_state_dict(full)
-        self._closed = True
+        self._phase = Phase.CLOSED
 
     def remove_hooks(self) -> None:
         """Alias of close() (collective): restores the model and removes every hook."""
         self.close()
 
     def _check_open(self, what: str) -> None:
-        if self.__dict__.get("_closed", False):
+        if self.__dict__.get("_phase") is Phase.CLOSED:
             raise RuntimeError(f"SubnetDataParallel.{what}: this engine was closed; the model it wrapped is a "
                                "plain model again. Wrap it in a new SubnetDataParallel to train it with SDP.")

@@ -3,14 +3,16 @@
 parameters() / named_parameters() (what the optimizer must hold, built after wrapping),
 no_sync() and DDP's `require_backward_grad_sync` attribute (gradient accumulation without
 communication). A mixin, as FSDP2's `FSDPModule` is for `fully_shard`: the engine holds
-the state, this class gives it DDP's names. It reads from the engine:
-`_trainable` (the Parameters this rank trains, in model order) and `_trainable_ids`,
-`module` (the wrapped model), `_averager.sync_enabled` (whether a backward's gradients are
-averaged), `shared_shards` (FSDP2 over the shared parameters, or None) and `_check_open`.
+the state, this class gives it DDP's names. It reads from the engine: `_layout.trainable`
+(the Parameters this rank trains, in model order), `module` (the wrapped model), `_phase`
+(whether a backward's gradients are averaged), `_shards` (FSDP2 over the shared
+parameters, or None) and `_check_open`.
 """
 from __future__ import annotations
 
 import contextlib
+
+from .phase import Phase
 
 
 class DDPInterface:
@@ -19,7 +21,7 @@ class DDPInterface:
     def parameters(self, recurse: bool = True):
         """What the optimizer must update: this rank's owned (and shared) parameters."""
         self._check_open("parameters")
-        return iter(self._trainable)
+        return iter(self._layout.trainable)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         """(name, parameter) for each of parameters(), named as in torch DDP ("module." + the
@@ -27,7 +29,7 @@ class DDPInterface:
         self._check_open("named_parameters")
         named = self.module.named_parameters(prefix=f"{prefix}.module" if prefix else "module",
                                              remove_duplicate=remove_duplicate)
-        return ((n, p) for n, p in named if id(p) in self._trainable_ids)
+        return ((n, p) for n, p in named if self._layout.is_trainable(p))
 
     def no_sync(self):
         """Gradient accumulation without communication, as torch DDP's `no_sync()`.
@@ -51,15 +53,15 @@ class DDPInterface:
         into `.grad`, without communication (as inside no_sync()). True (the default): the next
         backward averages the accumulated sum among owners. A nanoGPT-style loop sets it to
         `micro_step == accumulation_steps - 1` before each micro-batch."""
-        return self._averager.sync_enabled
+        return self._phase is not Phase.ACCUMULATING
 
     @require_backward_grad_sync.setter
     def require_backward_grad_sync(self, value: bool) -> None:
         """Set whether the next backward passes average gradients (see the getter)."""
         self._check_open("require_backward_grad_sync")
-        self._averager.sync_enabled = bool(value)
-        if self.shared_shards is not None:  # FSDP2's reduce-scatter of the shared parameters follows it
-            self.shared_shards.set_gradient_sync(bool(value))
+        self._phase = Phase.TRAINING if value else Phase.ACCUMULATING
+        if self._shards is not None:  # FSDP2's reduce-scatter of the shared parameters follows it
+            self._shards.set_gradient_sync(bool(value))
 
 
 @contextlib.contextmanager

@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from ..planning.costs import predicted_comm
 from ..planning.sharding import predicted_fsdp_comm, predicted_sharded_model_state
-from ..state.held_pieces import local_tensor
+from ..state.layout import local_tensor
 
 
 def comm_stats(counter, plan, rank: int, strategy: str, strategy_costs, regime: str, bucket_cap_bytes: float,

@@ -1,11 +1,11 @@
-"""Small pieces of SubnetDataParallel's set-up: argument checks, the (world size, rank) the
-engine runs as, and hooks that hold the engine weakly."""
+"""Small pieces of SubnetDataParallel's set-up: the (world size, rank) the engine runs as,
+the checks of where it runs, and hooks that hold the engine weakly."""
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 from ..planning.plan import SubnetPlan
+from .config import SDPConfig
 from .sharding import check_shard_shared
 
 
@@ -38,26 +38,9 @@ def weak_call(engine_ref, fn):
     return hook
 
 
-REGIMES = ("forward", "backward")
-SCALES = ("none", "inverse")
-
-
-def check_arguments(plan, regime: str, sync_every: int, scale: str, bucket_cap_mb: float, shard_shared: bool = False,
-                    simulated: bool = False) -> None:
-    """ValueError naming the argument of SubnetDataParallel that is out of range, or a
-    combination shard_shared does not support."""
-    if not isinstance(plan, SubnetPlan):
-        raise ValueError(f"plan must be a SubnetPlan, got {type(plan).__name__}")
-    if regime not in REGIMES:
-        raise ValueError(f"regime must be 'forward' or 'backward', got {regime!r}")
-    if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
-        raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
-    if scale not in SCALES:
-        raise ValueError(f"scale must be 'none' or 'inverse', got {scale!r}")
-    if scale == "inverse" and (plan.level != "neuron" or regime != "forward"):
-        raise ValueError(f"scale='inverse' applies to the neuron level in the forward regime; this plan is "
-                         f"level={plan.level!r} and regime={regime!r}")
-    if not (isinstance(bucket_cap_mb, (int, float)) and 0 < bucket_cap_mb < float("inf")):
-        raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
-    if shard_shared:
-        check_shard_shared(simulated, sync_every)
+def check_placement(config: SDPConfig, plan: SubnetPlan, simulated: bool) -> None:
+    """ValueError unless `config` applies to `plan` and to where the engine runs (shard_shared
+    needs real ranks under torch.distributed)."""
+    config.check_plan(plan)
+    if config.shard_shared:
+        check_shard_shared(simulated)

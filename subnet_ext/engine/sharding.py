@@ -20,15 +20,12 @@ import torch.nn as nn
 from ..planning.sharding import RESHARD_AFTER_FORWARD, sharded_names
 
 
-def check_shard_shared(simulated: bool, sync_every: int) -> None:
-    """ValueError for the combinations shard_shared does not support."""
+def check_shard_shared(simulated: bool) -> None:
+    """ValueError where shard_shared cannot run: a simulated rank, or no torch.distributed
+    (sync_every > 1 is refused by SDPConfig itself)."""
     if simulated:
         raise ValueError("shard_shared=True shards the shared parameters over the real ranks with FSDP2; it cannot "
                          "be combined with simulate_rank (one rank alone). Drop one of the two.")
-    if sync_every != 1:
-        raise ValueError(f"shard_shared=True averages the shared parameters' gradients every step (FSDP2's "
-                         f"reduce-scatter), so it needs sync_every=1, got sync_every={sync_every}; use "
-                         "shard_shared=False for local SGD")
     if not dist.is_initialized():
         raise ValueError("shard_shared=True needs torch.distributed initialised (FSDP2 shards over a process group)")
 
@@ -38,29 +35,37 @@ class SharedShards:
 
     Args:
         model: the wrapped model; `fully_shard` changes its class in place.
-        layout: the engine's RankLayout (value_of finds each shared parameter; it is told
-            which names are now sharded).
+        plan: the engine's plan (sharded_names: which parameters are shared).
         process_group: the engine's group (None: the world).
         device: where the model lives (the mesh's device type).
+
+    Attributes:
+        names: the sharded parameters' state-dict names (the rank's layout is told them).
+        module: the `fully_shard`ed model (FSDP2's FSDPModule).
     """
 
-    def __init__(self, model: nn.Module, layout, process_group, device):
+    def __init__(self, model: nn.Module, plan, process_group, device):
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
-        self.names = sharded_names(layout.plan)
-        shared_ids = {id(layout.value_of(n)) for n in self.names}
+        self.names = sharded_names(plan)
+        shared_ids = {id(model.get_parameter(n)) for n in self.names}
         ignored = {p for p in model.parameters() if id(p) not in shared_ids}
         group = process_group if process_group is not None else dist.group.WORLD
         self.mesh = DeviceMesh.from_group(group, device.type)
         self.module = fully_shard(model, mesh=self.mesh, reshard_after_forward=RESHARD_AFTER_FORWARD,
                                   ignored_params=ignored)
-        layout.mark_sharded(self.names, self.module.reshard)
-        self.layout = layout
+
+    def reshard(self) -> None:
+        """Put the shards back in the model where a forward without its backward (evaluation,
+        a no-grad forward) left the parameters gathered; nothing when they are sharded. The
+        engine calls it before it reads the shared parameters through its layout."""
+        self.module.reshard()
 
     def parameters(self) -> list:
-        """The sharded Parameters (DTensors), in plan order."""
-        return [self.layout.value_of(n) for n in self.names]
+        """The sharded Parameters (DTensors), in plan order (call reshard() first after a forward
+        without backward)."""
+        return [self.module.get_parameter(n) for n in self.names]
 
     def set_gradient_sync(self, enabled: bool) -> None:
         """False: gradients accumulate unsharded, without communication; True: the next backward

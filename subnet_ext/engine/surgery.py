@@ -137,23 +137,23 @@ class DirectGradient:
     def __init__(self, param: nn.Parameter, view: torch.Tensor, piece: Piece, ready):
         self.param, self.view, self.piece, self.ready = param, view.view(param.shape), piece, ready
 
-    def write(self, g2: torch.Tensor, x2: torch.Tensor, rows, cols, last_use: bool = True) -> None:
-        """Add one use's weight gradient (g2 [N, out], x2 [N, in]) into the bucket view;
-        readiness is reported only after the last use of this forward (weight sharing).
+    def write(self, g2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, rows, cols,
+              last_use: bool = True) -> None:
+        """Add one use's weight gradient into the bucket view, by the masked linear's gradient
+        formula (`ops.masked_linear_backward` with `grad_weight_out`); readiness is reported
+        only after the last use of this forward (weight sharing).
 
-        Under autocast g2 and x2 are fp16/bf16 and the bucket fp32: the kernel gathers the
-        owned rows and columns in the half dtype and multiplies them with fp32 output and
-        accumulation (tensor cores on CUDA), so no fp32 copy of g2 or x2 is made."""
+        g2 [N, out] and x2 [N, in] are the layer's output gradient and input, weight its full
+        [out, in] weight; rows / cols the run's indices (the other None). Under autocast g2
+        and x2 are fp16/bf16 and the bucket fp32: the formula multiplies them with fp32
+        output and accumulation, with no fp32 copy of g2 or x2."""
         grad = self.param.grad
-        mixed = g2.dtype in (torch.float16, torch.bfloat16) and self.view.dtype == torch.float32
-        if g2.dtype != self.view.dtype and not mixed:  # any other pairing: the bucket's dtype
-            g2, x2 = g2.to(self.view.dtype), x2.to(self.view.dtype)
         if grad is not None and grad.data_ptr() != self.view.data_ptr():
             self.view.copy_(grad)  # a gradient put there by someone else: keep accumulating onto it
         # The indices come from the plan (distinct, in range, on the device): no re-validation,
         # which on CUDA would copy them to the host and synchronise at every layer.
-        ops.masked_linear_grad_weight_(self.view, g2, x2, rows, cols, grad_out_full=True,
-                                       accumulate=grad is not None, check_indices=False)
+        ops.masked_linear_backward(g2, x2, weight, rows, cols, grad_out_full=True, output_mask=(False, True, False),
+                                   check_indices=False, grad_weight_out=self.view, accumulate=grad is not None)
         self.param.grad = self.view
         if last_use:
             self.ready(self.piece)
@@ -194,7 +194,9 @@ def _use_count(module) -> _UseCount | None:
 
 class _OwnedLinearFunction(torch.autograd.Function):
     """y = x W^T + b with the full W; backward gives dense grad_x but the weight (and
-    bias) gradient only for the owned rows or columns, computed by the masked kernel.
+    bias) gradient only for the owned rows or columns. Every gradient comes from the
+    masked linear's one formula, `ops.masked_linear_backward` (the op's registered
+    backward); this Function only decides where each goes.
 
     `direct[i]` (a DirectGradient or None) sends run i's weight gradient straight into
     its communication bucket instead of returning it to autograd."""
@@ -222,8 +224,10 @@ class _OwnedLinearFunction(torch.autograd.Function):
         # A Linear called several times per forward (weight sharing) sums its uses' gradients
         # in the bucket; the bucket may be issued only after the last use's backward.
         last_use = ctx.use_count is None or ctx.use_count.backward_ran()
+        # One call gives grad_x (dense), the owned weight block (unless it goes to buckets) and
+        # the owned rows' bias gradient when the bias is sliced with them.
         gx, gw, gb = ops.masked_linear_backward(
-            g2, x2, weight, rows, cols, compact_weight=False, grad_out_full=True, dense_grad_input=True,
+            g2, x2, weight, rows, cols, grad_out_full=True, dense_grad_input=True,
             output_mask=(ctx.needs_input_grad[0], not any_direct, owned_bias), check_indices=False)
         if not any_direct:
             grads = list(gw.split(ctx.splits, dim=ctx.dim))
@@ -232,16 +236,18 @@ class _OwnedLinearFunction(torch.autograd.Function):
             for d, part in zip(ctx.direct, idx.split(ctx.splits)):
                 r, c = (part, None) if ctx.dim == 0 else (None, part)
                 if d is not None:
-                    d.write(g2, x2, r, c, last_use)
+                    d.write(g2, x2, weight, r, c, last_use)
                     grads.append(None)
                 else:
-                    grads.append(ops.masked_linear_backward(
-                        g2, x2, weight, r, c, grad_out_full=True, dense_grad_input=True,
-                        output_mask=(False, True, False), check_indices=False)[1])
+                    grads.append(ops.masked_linear_backward(g2, x2, weight, r, c, grad_out_full=True,
+                                                            output_mask=(False, True, False), check_indices=False)[1])
         if owned_bias:
             grads += list(gb.split(ctx.splits))
+        grad_bias = None
+        if ctx.bias_is_param:  # an unsliced bias: the formula's bias gradient with every output kept
+            grad_bias = ops.masked_linear_backward(g2, x2, weight, output_mask=(False, False, True),
+                                                   check_indices=False)[2]
         grad_x = gx.reshape(x.shape) if gx is not None else None
-        grad_bias = g2.sum(0) if ctx.bias_is_param else None
         return (grad_x, None, grad_bias, None, None, None, None, None, None, *grads)
 
 

@@ -17,7 +17,7 @@ Glossary (the words the code uses for parts of the model and of its tensors):
              view [size(0), numel // size(0)]; *full* in the original-shape tensor
              (pieces.full_rectangle), *local* in the tensor this rank holds it in.
   segment    a rectangle's place in a packed 1-D buffer: one row (tensor index, row_begin,
-             row_end, col_begin, col_end, buffer offset) of a segment table (ops/__init__.py).
+             row_end, col_begin, col_end, buffer offset) of a segment table (ops/segments.py).
   owner set  the ranks, ascending, that own a unit or a piece (every rank for shared
              tensors); a piece is averaged among exactly its owner set.
   leader     the lowest-ranked owner of a piece (Piece.leader): it alone writes the piece
@@ -29,6 +29,12 @@ Glossary (the words the code uses for parts of the model and of its tensors):
              holds them (plan.shared).
   alias      a state-dict name for the same tensor as an earlier, canonical name (tied
              weights, aliases.py): no pieces, no owners, never communicated.
-  held piece a piece on one rank (state/held_pieces.HeldPiece): the tensor holding it, its
-             local and its full rectangle.
+  held piece a piece on one rank (state/layout.HeldPiece): the tensor holding it, its
+             local and its full rectangle. The rank's RankLayout (state/layout.py) says
+             where every piece lives.
+  place      a held piece as comm receives it (comm/places.PiecePlace): its value's tensor
+             and rectangle, and the Parameter whose gradient carries it.
+  home       the fixed tensor a communicated parameter's gradient lives in, its `.grad`
+             after a synchronising backward: a view of its bucket, or a standalone tensor
+             (comm/averaging.py).
 """

@@ -54,12 +54,16 @@ class SkipPath:
     relu: whether the block applies a ReLU after the residual sum.
     forward: function (block_like, x [B, C, ...]) -> skip output [B, C', ...], reading the
     skip modules as attributes of its first argument (so a stub holding them can run it).
-    traced: False when found by name (trace failed)."""
+    traced: False when found by name (trace failed).
+    branches: per residual add on the identity chain, input side first, the top-level child
+    whose output is the add's other operand (through dropout/identity), or None where that
+    operand is not one child's output (a product, a sum of children); () when found by name."""
 
     modules: tuple
     relu: bool
     forward: object
     traced: bool = True
+    branches: tuple = ()
 
     @property
     def mode(self) -> str:
@@ -145,6 +149,7 @@ def _cost(nodes: set, gm: fx.GraphModule) -> int:
 class _Chain:
     base: fx.Node  # the input placeholder, or the shortcut projection's output
     adds: int  # residual adds between base and the node
+    branches: tuple = ()  # each add's other operand (the residual branch), input side first
 
 
 def _chain(node: fx.Node, inp: fx.Node, gm: fx.GraphModule, memo: dict) -> _Chain | None:
@@ -164,17 +169,28 @@ def _chain(node: fx.Node, inp: fx.Node, gm: fx.GraphModule, memo: dict) -> _Chai
         if reached == 2:  # both operands reach the input through adds: the cheaper one carries it
             chains = {cheaper: chains[cheaper]} if cheaper is not None else {}
         if len(chains) == 1:
-            c = next(iter(chains.values()))
-            found = _Chain(c.base, c.adds + 1)
+            (i, c), = chains.items()
+            found = _Chain(c.base, c.adds + 1, c.branches + (operands[1 - i],))
         elif reached == 0 and cheaper is not None and inp in _ancestors(operands[cheaper]):
             # No operand is a chain: the one through fewer parameterised modules is the shortcut.
-            found = _Chain(operands[cheaper], 1)
+            found = _Chain(operands[cheaper], 1, (operands[1 - cheaper],))
     elif _passes_through(node, gm):
         c = _chain(node.args[0], inp, gm, memo)
         if c is not None and c.adds > 0:
-            found = _Chain(c.base, c.adds)
+            found = _Chain(c.base, c.adds, c.branches)
     memo[node] = found
     return found
+
+
+def _branch_child(node: fx.Node, gm: fx.GraphModule) -> str | None:
+    """The top-level child whose output `node` is, through dropout and identity; None otherwise."""
+    while node.op in ("call_module", "call_function") and node.args and isinstance(node.args[0], fx.Node):
+        if node.op == "call_module" and not isinstance(gm.get_submodule(node.target), (nn.Dropout, nn.Identity)):
+            return node.target.split(".")[0]
+        if node.op == "call_function" and node.target is not F.dropout:
+            return None
+        node = node.args[0]
+    return None
 
 
 def _top_names(nodes) -> tuple:
@@ -210,7 +226,8 @@ def trace_skip_path(block: nn.Module) -> SkipPath:
     graph.output(graph.call_function(torch.relu, (result,)) if relus else result)
     skip = fx.GraphModule(gm, graph)
     modules = _top_names(needed) if chain.base is not inputs[0] else ()
-    return SkipPath(modules, relus > 0, type(skip).forward)
+    branches = tuple(_branch_child(b, gm) for b in chain.branches)
+    return SkipPath(modules, relus > 0, type(skip).forward, True, branches)
 
 
 def _by_name(block: nn.Module) -> SkipPath:

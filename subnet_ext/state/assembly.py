@@ -13,15 +13,11 @@ import torch
 import torch.distributed as dist
 
 from ..comm.collectives import describe_group
-from ..ops.reference import as_2d
 from .full_gather import FullEntry, check_options, sum_gather
+from .layout import RankLayout
 
 
-def _narrow(t: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
-    return t.view(1) if t.dim() == 0 else t.narrow(dim, start, length)
-
-
-def assemble(layout, reduce: bool = True, process_group=None, timeout: float | None = None,
+def assemble(layout: RankLayout, reduce: bool = True, process_group=None, timeout: float | None = None,
              rank0_only: bool = False, cpu_offload: bool = False) -> dict:
     """{original name: tensor of the original shape}; see the module docstring.
 
@@ -36,8 +32,8 @@ def assemble(layout, reduce: bool = True, process_group=None, timeout: float | N
     check_options("full_state_dict", rank0_only, cpu_offload)
     plan = layout.plan
     by_name = {}
-    for p in layout.pieces:
-        by_name.setdefault(p.name, []).append(p)
+    for held in layout.held_values():
+        by_name.setdefault(held.piece.name, []).append(held)
     if reduce:
         entries = [FullEntry(n, shape, getattr(torch, plan.tensor_dtypes[n]))
                    for n, shape in plan.tensor_shapes.items()]
@@ -55,36 +51,19 @@ def assemble(layout, reduce: bool = True, process_group=None, timeout: float | N
     return out
 
 
-def _write_held(layout, pieces, name: str, target: torch.Tensor, leaders_only: bool) -> None:
+def _write_held(layout: RankLayout, held_pieces, name: str, target: torch.Tensor, leaders_only: bool) -> None:
     """Write this rank's values of entry `name` into `target` (full shape): the pieces it owns
-    (only those it leads when `leaders_only`), its rows of a sharded parameter, and an
-    integer entry it reports (or, not `leaders_only`, any it holds)."""
-    rank = layout.rank
-    for p in pieces:
-        if layout.is_sharded(p):  # every rank writes its own rows (disjoint): the sum is exact
-            _write_shard(layout, p, target)
-            continue
-        if not layout.owns(p) or (leaders_only and p.leader != rank):
-            continue
-        local = layout.value_of(p.name)
-        _narrow(target, p.dim, p.start, p.length).copy_(_narrow(local, p.dim, layout.local_start[p], p.length))
+    (only those it leads when `leaders_only`), its rows of a sharded parameter (every rank
+    writes its own rows, disjoint, so the sum is exact), and an integer entry it reports
+    (or, not `leaders_only`, any it holds)."""
+    for held in held_pieces:
+        mine = layout.contributes(held.piece) if leaders_only else layout.owns(held.piece) or \
+            layout.is_sharded(held.piece)
+        if mine:
+            held.write_into_full(target)
     leader = layout.integer_entries.get(name)
-    if leader is not None and (leader == rank or (not leaders_only and layout.holds_whole(name))):
+    if leader is not None and (leader == layout.rank or (not leaders_only and layout.holds_whole(name))):
         target.copy_(layout.value_of(name))
-
-
-def _write_shard(layout, piece, full: torch.Tensor) -> None:
-    """Copy this rank's dim-0 shard of a sharded shared parameter into `full` (its place)."""
-    local, rect = layout.resolve_value(piece)
-    r0, r1, c0, c1 = layout.held_rectangle(piece)
-    as_2d(full)[r0:r1, c0:c1].copy_(as_2d(local)[rect[0]:rect[1], rect[2]:rect[3]])
-
-
-def _read_shard(layout, piece, full: torch.Tensor) -> None:
-    """Copy this rank's rows of `full` into its shard of a sharded shared parameter."""
-    local, rect = layout.resolve_value(piece)
-    r0, r1, c0, c1 = layout.held_rectangle(piece)
-    as_2d(local, view=True)[rect[0]:rect[1], rect[2]:rect[3]].copy_(as_2d(full.to(local.device))[r0:r1, c0:c1])
 
 
 def check_full_state_dict(plan, state_dict) -> None:
@@ -106,24 +85,20 @@ def check_full_state_dict(plan, state_dict) -> None:
         raise ValueError("the state dict does not belong to this model: " + "; ".join(parts))
 
 
-def load_pieces(layout, state_dict) -> None:
+def load_pieces(layout: RankLayout, state_dict) -> None:
     """Copy this rank's share of a full state dict (original names and shapes) into the
-    local tensors of `layout` (a RankLayout). Not collective."""
+    local tensors of `layout`. Not collective."""
     check_full_state_dict(layout.plan, state_dict)
     with torch.no_grad():
-        for p in layout.pieces:
-            if layout.is_sharded(p):
-                _read_shard(layout, p, state_dict[p.name])
+        for held in layout.held_values():
+            # Forward regime: the owned pieces of compact tensors; either regime: shard rows.
+            if layout.compact or layout.is_sharded(held.piece):
+                held.read_from_full(state_dict[held.piece.name])
         if not layout.compact:  # full tensors on every rank (backward regime)
             for name in layout.plan.tensor_shapes:
                 if name not in layout.sharded:
                     layout.value_of(name).copy_(state_dict[name])
             return
-        for p in layout.pieces:
-            if layout.owns(p) and not layout.is_sharded(p):
-                src = state_dict[p.name].to(layout.device)
-                _narrow(layout.value_of(p.name), p.dim, layout.local_start[p], p.length).copy_(
-                    _narrow(src, p.dim, p.start, p.length))
         for name in layout.integer_entries:
             if layout.holds_whole(name):
                 layout.value_of(name).copy_(state_dict[name])

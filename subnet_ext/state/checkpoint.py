@@ -26,10 +26,10 @@ import warnings
 
 import torch.distributed as dist
 
-from ..comm.call_check import checked_call
 from .manifest import (MANIFEST, CorruptCheckpoint, check_files, file_digest, fsync_dir, list_files, read_manifest,
                        write_manifest)
 from .manifest import atomic_write as _atomic_write
+from .layout import RankLayout
 
 LATEST = "LATEST"
 STATE = "state"  # the DCP folder inside a checkpoint
@@ -283,49 +283,44 @@ def read_state(folder: str, request: dict, group=None) -> None:
 
 
 # ----------------------------------------------------------------------------- SDP
-def save_subnet_checkpoint(save_dir: str, step: int, sdp, optimizer=None, manifest: dict | None = None, *,
-                           keep_last: int = 3, extra_files: dict | None = None, per_rank=None) -> str:
-    """Checkpoint a SubnetDataParallel (and its optimizer) in full-model coordinates, each
-    piece written once by its leader; returns the folder. Collective over sdp's group.
-
-    The manifest also holds the plan, so `load_subnet_checkpoint` works on any plan of the
-    same model (another world size, coverage, level or regime)."""
+def save_layout_checkpoint(save_dir: str, step: int, layout: RankLayout, optimizer=None, manifest: dict | None = None,
+                           *, group=None, keep_last: int = 3, extra_files: dict | None = None, per_rank=None) -> str:
+    """Checkpoint this rank's pieces (and `optimizer`'s state of them) in full-model
+    coordinates, each piece written once by its leader; returns the folder. Collective over
+    `group` (the engine's). The manifest also holds the plan, so `load_layout_checkpoint`
+    works on any plan of the same model (another world size, coverage, level or regime).
+    `subnet_ext.checkpoint.save_subnet_checkpoint` calls it for a SubnetDataParallel."""
     from .optim_state import hyperparameters, sharded_state_dict
 
-    with checked_call(sdp, "save_subnet_checkpoint"):  # every rank, in the order of the engine's collectives
-        tensors, info = sharded_state_dict(sdp.layout, optimizer, sdp.process_group)
-        body = {**(manifest or {}), "plan": sdp.plan.to_json(), "sdp": info,
-                "optimizer": {"param_groups": hyperparameters(optimizer) if optimizer is not None else []}}
-        return save_checkpoint(save_dir, step, tensors, body, group=sdp.process_group, keep_last=keep_last,
-                               extra_files=extra_files, per_rank=per_rank)
+    tensors, info = sharded_state_dict(layout, optimizer, group)
+    body = {**(manifest or {}), "plan": layout.plan.to_json(), "sdp": info,
+            "optimizer": {"param_groups": hyperparameters(optimizer) if optimizer is not None else []}}
+    return save_checkpoint(save_dir, step, tensors, body, group=group, keep_last=keep_last,
+                           extra_files=extra_files, per_rank=per_rank)
 
 
-def load_subnet_checkpoint(path: str, sdp, optimizer=None, *, verified_manifest: dict | None = None) -> dict:
+def load_layout_checkpoint(path: str, layout: RankLayout, optimizer=None, *, group=None,
+                           verified_manifest: dict | None = None) -> dict:
     """Load the newest good checkpoint under `path` (or the checkpoint folder `path`) into
-    `sdp` and `optimizer`, re-planned to sdp's plan; returns its manifest (with "folder").
-    Collective over sdp's group. `verified_manifest`: what find_checkpoint returned for
-    the folder `path`, to skip checking its files a second time.
+    the tensors of `layout` and into `optimizer`, re-planned to the layout's plan; returns its
+    manifest (with "folder"). Collective over `group`. `verified_manifest`: what
+    find_checkpoint returned for the folder `path`, to skip checking its files a second time.
 
     Raises:
         CheckpointError: no good checkpoint. ValueError: a checkpoint of another model.
     """
-    with checked_call(sdp, "load_subnet_checkpoint"):
-        return _load_subnet_checkpoint(path, sdp, optimizer, verified_manifest)
-
-
-def _load_subnet_checkpoint(path: str, sdp, optimizer, verified_manifest: dict | None) -> dict:
     from .optim_state import load_hyperparameters, load_sharded_state_dict
     from ..planning.plan import SubnetPlan
 
     if verified_manifest is not None:
         folder, manifest = path, verified_manifest
     else:
-        folder, manifest, _ = find_checkpoint(path, sdp.process_group)
+        folder, manifest, _ = find_checkpoint(path, group)
     if "plan" not in manifest or "sdp" not in manifest:
         raise CheckpointError(f"{folder} is not a SubnetDataParallel checkpoint (no plan in its manifest; "
                               f"method {manifest.get('identity', {}).get('method')!r})")
-    load_sharded_state_dict(sdp.layout, optimizer, SubnetPlan.from_json(manifest["plan"]), manifest["sdp"],
-                            state_metadata(folder), lambda request: read_state(folder, request, sdp.process_group))
+    load_sharded_state_dict(layout, optimizer, SubnetPlan.from_json(manifest["plan"]), manifest["sdp"],
+                            state_metadata(folder), lambda request: read_state(folder, request, group))
     if optimizer is not None:
         load_hyperparameters(optimizer, manifest["optimizer"]["param_groups"])
     return {**manifest, "folder": folder}

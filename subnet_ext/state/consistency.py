@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import collectives
-from .assembly import _narrow
+from .layout import RankLayout
 
 
 class ConsistencyError(RuntimeError):
@@ -63,12 +63,13 @@ def describe_piece(plan, piece) -> str:
     return where
 
 
-def _local_hashes(layout, pieces) -> torch.Tensor:
+def _local_hashes(layout: RankLayout, pieces) -> torch.Tensor:
+    """[len(pieces)] int64: the hash of each piece this rank owns (its [rows, cols] values), 0 elsewhere."""
+    held = {h.piece: h for h in layout.held_values()}
     out = torch.zeros(len(pieces), dtype=torch.int64)
     for i, p in enumerate(pieces):
         if layout.owns(p):
-            local = layout.value_of(p.name)
-            out[i] = tensor_hash(_narrow(local, p.dim, layout.local_start[p], p.length))
+            out[i] = tensor_hash(held[p].read())
     return out
 
 
@@ -104,7 +105,7 @@ def raise_on_mismatch(mismatches: list, what: str = "owners") -> None:
         "repeated step, corrupted memory, a bug. Restart from the last good checkpoint.", mismatches)
 
 
-def verify_consistency(layout, process_group=None, timeout: float | None = None) -> None:
+def verify_consistency(layout: RankLayout, process_group=None, timeout: float | None = None) -> None:
     """Raise ConsistencyError unless every unit's owners hold bit-identical values.
 
     Args:

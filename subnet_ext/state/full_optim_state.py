@@ -31,19 +31,19 @@ import torch.distributed as dist
 from ..comm import collectives
 from ..comm.collectives import describe_group
 from .full_gather import FullEntry, check_options, sum_gather
-from .held_pieces import as_2d, copy_overlaps, held_optimizer_pieces, local_tensor, writes
+from .layout import RankLayout, as_2d, copy_overlaps, local_tensor
 from .optim_format import canonical, check_format
 from .optim_state import ensure_state, hyperparameters, scalar_value, state_entry_shapes
 
 
-def optimizer_param_names(layout, optimizer) -> dict:
+def optimizer_param_names(layout: RankLayout, optimizer) -> dict:
     """{id(parameter): its name in the unwrapped model} for every parameter of `optimizer`.
 
     Raises:
         ValueError: a parameter that is not one of this engine's (an optimizer built over
             the model before wrapping, or over another model).
     """
-    names = {id(s.param): s.piece.name for s in held_optimizer_pieces(layout, optimizer)}
+    names = {id(s.param): s.piece.name for s in layout.held_optimizer_pieces(optimizer)}
     for n in layout.plan.param_names:  # parameters this rank holds but does not own (backward regime)
         if layout.holds_whole(n):
             names.setdefault(id(layout.value_of(n)), n)
@@ -56,7 +56,7 @@ def optimizer_param_names(layout, optimizer) -> dict:
     return names
 
 
-def _merged_groups(layout, optimizer, everyone: list) -> list[dict]:
+def _merged_groups(layout: RankLayout, optimizer, everyone: list) -> list[dict]:
     """torch's param_groups for the whole model: this rank's settings, each group listing the
     names every rank holds in it (model order). ValueError when the ranks' groups differ."""
     counts = [len(info["groups"]) for info in everyone]
@@ -80,7 +80,7 @@ def _merged_groups(layout, optimizer, everyone: list) -> list[dict]:
     return out
 
 
-def full_optimizer_state_dict(layout, optimizer, process_group=None, timeout: float | None = None,
+def full_optimizer_state_dict(layout: RankLayout, optimizer, process_group=None, timeout: float | None = None,
                               rank0_only: bool = False, cpu_offload: bool = False) -> dict:
     """{"state": {name: {key: whole tensor or 0-d}}, "param_groups": [{..., "params": [name, ...]}]}.
 
@@ -89,7 +89,7 @@ def full_optimizer_state_dict(layout, optimizer, process_group=None, timeout: fl
     more than one chunk of it); `cpu_offload` returns CPU tensors. See the module docstring."""
     check_options("full_optimizer_state_dict", rank0_only, cpu_offload)
     names = optimizer_param_names(layout, optimizer)
-    held = held_optimizer_pieces(layout, optimizer)
+    held = layout.held_optimizer_pieces(optimizer)
     local = {"entries": state_entry_shapes(optimizer, [s.param for s in held]),
              "groups": [([names[id(p)] for p in g["params"]], settings)  # settings comparable across ranks
                         for g, settings in zip(optimizer.param_groups, hyperparameters(optimizer))]}
@@ -110,10 +110,8 @@ def full_optimizer_state_dict(layout, optimizer, process_group=None, timeout: fl
         entry, name = key
         for s in by_name.get(name, ()):
             value = optimizer.state.get(s.param, {}).get(entry)
-            if value is not None and writes(s, layout):
-                r0, r1, c0, c1 = s.full
-                l0, _, m0, _ = s.local
-                as_2d(target)[r0:r1, c0:c1].copy_(as_2d(local_tensor(value))[l0:l0 + r1 - r0, m0:m0 + c1 - c0])
+            if value is not None and layout.contributes(s.piece):
+                s.write_into_full(target, local_tensor(value))
 
     tensors = sum_gather([FullEntry((k, n), plan.tensor_shapes[n], getattr(torch, plan.tensor_dtypes[n]))
                           for k, shape in entry_shapes.items() if shape == "tensor" for n in params],
@@ -150,7 +148,7 @@ def _max_scalars(optimizer, held, keys: list, params: list, process_group, timeo
     return values
 
 
-def load_full_optimizer_state_dict(layout, optimizer, full: dict, strict: bool = True) -> None:
+def load_full_optimizer_state_dict(layout: RankLayout, optimizer, full: dict, strict: bool = True) -> None:
     """Give this rank's optimizer its share of a full optimizer state (SDP's, DDP's or
     FSDP2's, any plan). `layout`: this rank's RankLayout. Not collective.
 
@@ -163,7 +161,7 @@ def load_full_optimizer_state_dict(layout, optimizer, full: dict, strict: bool =
     check_format(layout.plan, full)
     names = optimizer_param_names(layout, optimizer)
     state = {canonical(layout.plan, n): entries for n, entries in full["state"].items()}
-    held = held_optimizer_pieces(layout, optimizer)
+    held = layout.held_optimizer_pieces(optimizer)
     missing = sorted({s.piece.name for s in held if s.piece.name not in state})
     if state and missing and strict:
         raise ValueError(f"load_full_optimizer_state_dict: the state has no entry for {len(missing)} parameter(s) "

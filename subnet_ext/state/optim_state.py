@@ -5,7 +5,7 @@ Here the *sharded* form (`sharded_state_dict`): each piece saved once, by its le
 under "model/<piece key>" and "optim/<state key>/<piece key>" as [rows, cols] tensors of
 its full rectangle — what torch.distributed.checkpoint writes, each rank its own pieces.
 `load_sharded_state_dict` takes the plan that saved them and reads, for each piece this
-rank now holds, the saved pieces overlapping it (held_pieces.py). The *full* form, torch's
+rank now holds, the saved pieces overlapping it (layout.py). The *full* form, torch's
 full optimizer state dict, is in full_optim_state.py.
 
 Optimizer state: a tensor entry shaped like its parameter (exp_avg, exp_avg_sq,
@@ -20,8 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..planning.pieces import full_rectangle, global_pieces, rectangle
-from .held_pieces import (area, as_2d, copy_overlaps, held_optimizer_pieces, held_values, local_tensor, overlapping,
-                          piece_key)
+from .layout import RankLayout, area, as_2d, copy_overlaps, local_tensor, overlapping, piece_key
 
 MODEL, OPTIM = "model/", "optim/"
 SHARED = "shared/"  # key of a sharded shared parameter (one DTensor, each rank its shard)
@@ -117,7 +116,7 @@ def ensure_state(optimizer, held, entry_shapes) -> None:
 
 
 # ----------------------------------------------------------------------------- sharded form
-def sharded_state_dict(layout, optimizer=None, process_group=None) -> tuple[dict, dict]:
+def sharded_state_dict(layout: RankLayout, optimizer=None, process_group=None) -> tuple[dict, dict]:
     """(tensors, info): the pieces this rank leads, keyed for torch.distributed.checkpoint.
 
     tensors: {"model/<piece key>": [rows, cols] values, "model/<name>": integer entries
@@ -126,7 +125,7 @@ def sharded_state_dict(layout, optimizer=None, process_group=None) -> tuple[dict
     rank's RankLayout. Collective over `process_group` when an optimizer is given (the
     state keys are agreed on)."""
     out = {}
-    for s in held_values(layout):
+    for s in layout.held_values():
         if layout.is_sharded(s.piece):
             out[MODEL + SHARED + s.piece.name] = layout.value_of(s.piece.name).detach()
         elif s.piece.leader == layout.rank:
@@ -136,7 +135,7 @@ def sharded_state_dict(layout, optimizer=None, process_group=None) -> tuple[dict
             out[MODEL + name] = layout.value_of(name).detach().clone()
     entry_shapes = {}
     if optimizer is not None:
-        held = held_optimizer_pieces(layout, optimizer)
+        held = layout.held_optimizer_pieces(optimizer)
         entry_shapes = _all_entry_shapes(optimizer, [s.param for s in held], process_group)
         for s in held:
             if layout.is_sharded(s.piece):
@@ -184,7 +183,7 @@ def _saved_sources(saved_plan, info: dict) -> dict:
     return saved
 
 
-def load_sharded_state_dict(layout, optimizer, saved_plan, info: dict, available: dict, read) -> None:
+def load_sharded_state_dict(layout: RankLayout, optimizer, saved_plan, info: dict, available: dict, read) -> None:
     """Load the pieces a `sharded_state_dict()` of `saved_plan` saved into this rank's tensors
     and (when `optimizer` is given and state was saved) its optimizer state.
 
@@ -212,7 +211,7 @@ def load_sharded_state_dict(layout, optimizer, saved_plan, info: dict, available
         request[key] = torch.empty(shape, dtype=dtype)
 
     targets = []  # (held piece, key prefix, tensor to fill)
-    for s in held_values(layout):
+    for s in layout.held_values():
         for _, key, _ in overlapping(s.full, saved[s.piece.name]):
             want(MODEL + key)
         targets.append((s, MODEL, s.tensor))
@@ -220,7 +219,7 @@ def load_sharded_state_dict(layout, optimizer, saved_plan, info: dict, available
     for n in integer:
         want(MODEL + n)
     entry_shapes = info.get("optimizer_state", {}) if optimizer is not None else {}
-    optimizer_pieces = held_optimizer_pieces(layout, optimizer) if entry_shapes else []
+    optimizer_pieces = layout.held_optimizer_pieces(optimizer) if entry_shapes else []
     if entry_shapes:
         ensure_state(optimizer, optimizer_pieces, entry_shapes)
         for s in optimizer_pieces:

@@ -1,0 +1,159 @@
+"""The study: when SDP beats DDP, FSDP2, activation checkpointing and stochastic depth, on
+real text (the Python standard library's sources as characters, a nanoGPT-style GPT).
+
+    make study                                # the whole study on this machine's CPU (<= 60 min, 2 cores)
+    .venv/bin/python bench/study.py --quick   # the same tables at a reduced size (<= 10 min)
+    .venv/bin/python bench/study.py --device cuda   # larger, one GPU per rank (4 GPUs)
+
+What runs and how the protocols are read: study_runs.py. Each world size is launched once
+(study_worker.py); results go to <out>/results/K*/seed*/<run>.json as they finish, so an
+interrupted study continues where it stopped (results of another profile are redone).
+The report (study_report.py) is written from those files: <doc> and its plots beside it,
+in a folder named after it. `--report-only` rewrites the report from the results.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the study_* modules, also in spawned ranks
+
+from study_runs import PROFILES, TASK_WORLDS, TASKS, jobs, result_path, world_sizes  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The study's options: size (--quick, --profile), device, seeds, output folder and report."""
+    p = argparse.ArgumentParser(prog="bench/study.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="the reduced study (profile 'quick', <= 10 min on 2 cores)")
+    p.add_argument("--profile", choices=sorted(PROFILES), default=None,
+                   help="sizes by name (default: full on cpu, cuda on cuda, quick with --quick; tiny: CI)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 (default: the profile's)")
+    p.add_argument("--main-only", action="store_true", help="skip the K=2 runs")
+    p.add_argument("--only", type=lambda v: v.split(","), default=None, metavar="RUN,RUN",
+                   help="run only these configurations (and ddp, which the others are read against), e.g. to "
+                        "redo a few; the report covers every result present")
+    p.add_argument("--tasks", type=lambda v: v.split(","), default=list(TASKS),
+                   help=f"comma-separated subset of {','.join(TASKS)} (default: both)")
+    p.add_argument("--out", default=None, help="results folder (default runs/study-<profile>)")
+    p.add_argument("--doc", default=None,
+                   help="the report's path (default docs/study-cpu.md for the full CPU study, docs/study-cuda.md "
+                        "for cuda, else <out>/study.md); plots go to a folder of the same name")
+    p.add_argument("--report-only", action="store_true", help="write the report from existing results, train nothing")
+    p.add_argument("--fresh", action="store_true", help="discard the results of earlier invocations")
+    return p
+
+
+def _profile_name(opts) -> str:
+    if opts.profile:
+        return opts.profile
+    if opts.quick:
+        return "quick"
+    return "cuda" if opts.device == "cuda" else "full"
+
+
+def _default_doc(name: str, device: str, out: str) -> str:
+    if name == "full" and device == "cpu":
+        return os.path.join("docs", "study-cpu.md")
+    if name == "cuda":
+        return os.path.join("docs", "study-cuda.md")
+    return os.path.join(out, "study.md")
+
+
+def _done(out: str, cfg: dict, profile: dict) -> bool:
+    path = result_path(out, cfg["task"], cfg["K"], cfg["seed"], cfg["name"])
+    if not os.path.exists(path):
+        return False
+    with open(path) as f:
+        return json.load(f).get("profile") == profile
+
+
+def _pending(out: str, k: int, seeds: list[int], profile: dict, tasks, only=None) -> list[dict]:
+    """The jobs of world size k with a missing (or other-profile) result; a job's phases rerun with it.
+    only: configuration names to keep (ddp always kept: the others need its FLOPs and time)."""
+    return [j for task in tasks if k in TASK_WORLDS.get(task, (k,)) for j in jobs(task, seeds, k)
+            if (only is None or j["config"]["name"] in {"ddp", *only})
+            and not all(_done(out, c, profile) for c in [j["config"], *j["phases"]])]
+
+
+def machine() -> dict:
+    """The setup a report states: commit, Python, torch, CPU, cores, load."""
+    import torch
+
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], capture_output=True, text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return "unknown"
+
+    cpu = "unknown"
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    return {"commit": git("rev-parse", "--short", "HEAD"), "dirty": bool(git("status", "--porcelain")),
+            "python": platform.python_version(), "torch": torch.__version__, "cpu": cpu,
+            "cores": os.cpu_count(), "platform": platform.platform(),
+            "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+            "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0}
+
+
+def run_study(opts) -> dict:
+    """Train every pending configuration (one launch per world size); returns the run's record."""
+    from study_worker import run_group
+    from subnet_ext.cli.launch import choose_backend, spawn_local
+
+    name = _profile_name(opts)
+    profile = dict(PROFILES[name], name=name)
+    seeds = list(range(opts.seeds or profile["seeds"]))
+    out = opts.out or os.path.join("runs", f"study-{name}")
+    record = {"profile": profile, "seeds": seeds, "out": out, "started": time.time(),
+              "machine_at_start": machine(), "launches": []}
+    for k in world_sizes(opts.main_only):
+        todo = _pending(out, k, seeds, profile, opts.tasks, opts.only)
+        if not todo:
+            continue
+        choose_backend("auto", opts.device, k)  # refuses --device cuda with fewer GPUs than ranks, clearly
+        t0 = time.time()
+        print(f"[study] K={k}: {len(todo)} job(s) over seeds {seeds} ...", flush=True)
+        spawn_local(run_group, {"device": opts.device, "profile": profile, "out": out, "jobs": todo}, k)
+        record["launches"].append({"K": k, "jobs": len(todo), "seconds": time.time() - t0})
+    record["seconds"] = time.time() - record["started"]
+    record["machine_at_end"] = machine()
+    return record
+
+
+def main(argv=None) -> int:
+    """Run (or with --report-only, only report) the study; returns the exit code."""
+    opts = build_parser().parse_args(argv)
+    if opts.seeds is not None and opts.seeds < 1:
+        print(f"bench/study.py: --seeds must be at least 1, got {opts.seeds}", file=sys.stderr)
+        return 2
+    name = _profile_name(opts)
+    out = opts.out or os.path.join("runs", f"study-{name}")
+    if opts.fresh and os.path.isdir(os.path.join(out, "results")):
+        import shutil
+
+        shutil.rmtree(os.path.join(out, "results"))
+    os.makedirs(out, exist_ok=True)
+    record_path = os.path.join(out, "study-run.json")
+    if not opts.report_only:
+        record = run_study(opts)
+        record["command"] = "bench/study.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        with open(record_path, "w") as f:
+            json.dump(record, f, indent=1)
+    from study_report import write_report
+
+    doc = opts.doc or _default_doc(name, opts.device, out)
+    written = write_report(out, doc, record_path, main_only=opts.main_only)
+    print(f"[study] wrote {', '.join(written)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""Stochastic depth (Huang et al., "Deep Networks with Stochastic Depth", 2016) for the DDP
+baseline: the method SDP's block level is closest to, and the one to beat.
+
+Training: at every optimizer step, each rank drops each residual block with probability
+`drop` (survival probability p = 1 - drop, the same for every block, as SDP's coverage
+is). A dropped block returns its input: its branches are not computed, so the step saves
+their FLOPs and activations (not parameters, gradients or optimizer state: every rank
+still holds the whole model). The decision is a pure function of (seed, optimizer step,
+rank, block), so a resumed run draws the same blocks, and ranks draw independently (as
+each SDP rank trains its own subnetwork). DDP averages over all K ranks, so a block's
+gradient is the sum over the ranks that kept it divided by K (`find_unused_parameters`
+lets DDP reduce blocks a rank skipped).
+
+Evaluation (the model in eval mode): every block runs, and each residual branch's output
+is multiplied by p, the paper's test-time rule ("H = ReLU(p f(H) + id(H))"), so the
+expected size of the residual updates matches training's.
+
+The blocks are those SDP's planner finds, their branches the traced residual adds'
+other operands (GPT: attn and mlp; LLaMA: self_attn and mlp; residual MLP: fc2). Blocks
+whose skip path is not their input (ResNet's projection or ReLU after the sum) are refused.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn as nn
+
+from .checkpointing import stream_seed
+
+
+def residual_branches(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """{block path: (child names whose outputs are the block's residual branches)}, in model
+    order: the blocks the SDP planner finds (planning/blocks.py) and their traced residual
+    adds (planning/residual.py). Empty when the model has none.
+
+    Raises:
+        ValueError: a block whose skip path is not its input (a shortcut projection or a ReLU
+            after the sum: dropping it would not be the identity), or a branch that is not
+            one child's output (its scale has no module to act on).
+    """
+    from ..planning.blocks import find_blocks
+    from ..planning.residual import trace_skip_path
+
+    out = {}
+    for group in find_blocks(model):
+        path = trace_skip_path(model.get_submodule(group.path))
+        if path.mode != "identity":
+            raise ValueError(f"stochastic depth: block {group.path} computes {path.mode} on its skip path, so "
+                             "dropping it is not the identity; only blocks whose skip path is their input are "
+                             "supported")
+        if None in path.branches:
+            raise ValueError(f"stochastic depth: a residual branch of {group.path} is not one child module's "
+                             f"output (found {path.branches})")
+        out[group.path] = path.branches
+    return out
+
+
+def _stochastic_forward(self, *args, **kwargs):
+    """The block's forward, or (training, dropped this step) its first argument unchanged."""
+    controller = self._stochastic_depth
+    if self.training and not controller.kept(self._stochastic_depth_index):
+        return args[0] if args else next(iter(kwargs.values()))
+    return self._stochastic_depth_inner(*args, **kwargs)
+
+
+class _ScaleAtEval:
+    """Forward hook: a residual branch's output times the survival probability, in eval mode."""
+
+    def __init__(self, controller):
+        self.controller = controller
+
+    def __call__(self, module, args, output):
+        if module.training or not self.controller.scale_at_eval:
+            return None
+        return output * self.controller.survival
+
+
+class StochasticDepth:
+    """Installs stochastic depth on `model`'s residual blocks (in place; call before wrapping).
+
+    Args:
+        model: a model with blocks residual_branches() knows.
+        drop: probability a block is dropped at a step, in [0, 1).
+        seed, rank: the run's seed and this rank (the draws' stream).
+    Attributes:
+        step: optimizer steps taken (advance with `advance()` after each optimizer step).
+        scale_at_eval: True (the paper's rule); False evaluates the unscaled full network.
+    Raises:
+        ValueError: drop outside [0, 1), or a model with no block of a known type.
+    """
+
+    def __init__(self, model: nn.Module, drop: float, seed: int, rank: int):
+        if not 0.0 <= drop < 1.0:
+            raise ValueError(f"stochastic depth: the drop probability must be in [0, 1), got {drop}")
+        branches = residual_branches(model)
+        if not branches:
+            raise ValueError(f"stochastic depth: {type(model).__name__} has no residual block the planner finds; "
+                             "declare blocks to SDP's planner or use a model with residual blocks")
+        self.drop, self.survival, self.seed, self.rank = drop, 1.0 - drop, seed, rank
+        self.blocks = list(branches)
+        self.step = 0
+        self.scale_at_eval = True
+        self._cached = (None, None)
+        for index, (path, names) in enumerate(branches.items()):
+            block = model.get_submodule(path)
+            block._stochastic_depth = self
+            block._stochastic_depth_index = index
+            block._stochastic_depth_inner = block.forward  # the class forward, or activation checkpointing's
+            block.forward = types.MethodType(_stochastic_forward, block)
+            for name in names:
+                block.get_submodule(name).register_forward_hook(_ScaleAtEval(self))
+
+    def kept_blocks(self, step: int, rank: int) -> list[bool]:
+        """Which blocks rank `rank` keeps at optimizer step `step` (0-based), one bool per block."""
+        generator = torch.Generator().manual_seed(stream_seed(self.seed, step, rank) ^ 0x5D)
+        return (torch.rand(len(self.blocks), generator=generator, dtype=torch.float64) >= self.drop).tolist()
+
+    def kept(self, index: int) -> bool:
+        """Whether this rank keeps block `index` at the current step."""
+        if self._cached[0] != self.step:
+            self._cached = (self.step, self.kept_blocks(self.step, self.rank))
+        return self._cached[1][index]
+
+    def advance(self) -> None:
+        """One optimizer step was taken: the next forward draws the next step's blocks."""
+        self.step += 1

@@ -1,0 +1,126 @@
+"""SDPConfig: how SubnetDataParallel trains, in one frozen, validated object.
+
+    sdp = SubnetDataParallel(model, plan, config=SDPConfig(regime="backward", sync_every=4))
+    sdp = SubnetDataParallel(model, plan, regime="backward", sync_every=4)   # the same
+
+The options describe the algorithm (regime, synchronisation, bucketing, deadlines); where
+the engine runs (`process_group`, `simulate_rank`) is an argument of SubnetDataParallel
+itself, as DDP's `process_group` is. A config is checked when it is made, so a bad value
+fails before any model is touched; the checks that need the plan run when the engine is
+built (`check_plan`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from ..comm.collectives import as_timedelta
+from ..planning.buckets import DEFAULT_BUCKET_CAP_MB
+from ..planning.costs import DEFAULT_LATENCY_BYTES, STRATEGIES
+from ..planning.plan import SubnetPlan
+
+REGIMES = ("forward", "backward")
+SCALES = ("none", "inverse")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SDPConfig:
+    """SubnetDataParallel's options. Frozen: `dataclasses.replace(config, regime="backward")`
+    makes a changed copy.
+
+    Attributes:
+        regime: "forward" (materialise only the subnetwork) or "backward" (full model,
+            owned weight gradients and optimizer state only).
+        sync_every: H; 1 averages gradients every step, H > 1 averages parameters every
+            H optimizer steps (local SGD within owner groups).
+        scale: "inverse" multiplies the input of each neuron group's consumer by h/h_k
+            (forward regime, neuron level); "none" does nothing.
+        strategy: "auto" (cost model), "groups" (collectives per owner set) or
+            "zero_filled" (world all-reduces, zeros where a rank holds nothing).
+        latency_bytes: the cost model's price of one collective, in bytes ("auto" only).
+        bucket_cap_mb: a bucket (one packed collective) closes at this many MiB.
+        overlap: issue each bucket's all-reduce during the backward as soon as its
+            gradients are ready (False: all of them when the backward ends; same results).
+        timeout: seconds any of the engine's collectives may take before it raises a
+            CollectiveError naming the operation and the group (None: the process
+            group's own timeout).
+        shard_shared: shard the plan's shared parameters over the group with torch's FSDP2
+            (gathered per use, gradients reduce-scattered, optimizer state sharded); SDP
+            averages only the units. Needs sync_every=1, torch.distributed and no
+            simulate_rank.
+    Raises:
+        ValueError (when made) naming the option that is out of range, its value and the
+        values it takes.
+    """
+
+    regime: str = "forward"
+    sync_every: int = 1
+    scale: str = "none"
+    strategy: str = "auto"
+    latency_bytes: float = DEFAULT_LATENCY_BYTES
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
+    overlap: bool = True
+    timeout: float | None = None
+    shard_shared: bool = False
+
+    def __post_init__(self):
+        if self.regime not in REGIMES:
+            raise ValueError(f"regime must be 'forward' or 'backward', got {self.regime!r}")
+        if not isinstance(self.sync_every, int) or isinstance(self.sync_every, bool) or self.sync_every < 1:
+            raise ValueError(f"sync_every must be an int >= 1, got {self.sync_every!r}")
+        if self.scale not in SCALES:
+            raise ValueError(f"scale must be 'none' or 'inverse', got {self.scale!r}")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if not (_is_number(self.latency_bytes) and 0 <= self.latency_bytes < math.inf):
+            raise ValueError(f"latency_bytes must be a finite number >= 0, got {self.latency_bytes!r}")
+        if not (_is_number(self.bucket_cap_mb) and 0 < self.bucket_cap_mb < math.inf):
+            raise ValueError(f"bucket_cap_mb must be a positive number, got {self.bucket_cap_mb!r}")
+        for name in ("overlap", "shard_shared"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        as_timedelta(self.timeout)  # a positive, finite number of seconds, or None
+        if self.shard_shared and self.sync_every != 1:
+            raise ValueError(f"shard_shared=True averages the shared parameters' gradients every step (FSDP2's "
+                             f"reduce-scatter), so it needs sync_every=1, got sync_every={self.sync_every}; use "
+                             "shard_shared=False for local SGD")
+
+    @property
+    def bucket_cap_bytes(self) -> float:
+        """bucket_cap_mb in bytes."""
+        return self.bucket_cap_mb * 2**20
+
+    def check_plan(self, plan: SubnetPlan) -> None:
+        """ValueError unless these options apply to `plan` (scale="inverse" needs a neuron-level
+        plan in the forward regime)."""
+        if not isinstance(plan, SubnetPlan):
+            raise ValueError(f"plan must be a SubnetPlan, got {type(plan).__name__}")
+        if self.scale == "inverse" and (plan.level != "neuron" or self.regime != "forward"):
+            raise ValueError(f"scale='inverse' applies to the neuron level in the forward regime; this plan is "
+                             f"level={plan.level!r} and regime={self.regime!r}")
+
+
+OPTIONS = tuple(f.name for f in dataclasses.fields(SDPConfig))
+
+
+def config_from(config, options: dict) -> SDPConfig:
+    """The engine's SDPConfig: `config`, or one made from keyword `options` (SubnetDataParallel's
+    keyword form); TypeError for an unknown option, a config that is not an SDPConfig, or both."""
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise TypeError(f"SubnetDataParallel got unexpected keyword argument(s) {unknown}; its options are "
+                        f"SDPConfig's fields {list(OPTIONS)}, and process_group and simulate_rank")
+    if config is None:
+        return SDPConfig(**options)
+    if not isinstance(config, SDPConfig):
+        raise TypeError(f"config must be an SDPConfig, got {type(config).__name__} {config!r}; pass the options "
+                        "as keywords (regime='backward') or as config=SDPConfig(regime='backward')")
+    if options:
+        raise TypeError(f"SubnetDataParallel got both config= and the options {sorted(options)}; give them in "
+                        f"one place: config=dataclasses.replace(config, {', '.join(f'{k}=...' for k in options)})")
+    return config

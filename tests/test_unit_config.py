@@ -1,0 +1,72 @@
+"""SDPConfig and SubnetDataParallel's public surface, in one process (no process group)."""
+import dataclasses
+
+import pytest
+import torch.nn as nn
+
+import subnet_ext as sx
+from sdp_helpers import make_model
+
+
+def plan_for(model, level="block"):
+    return sx.plan_subnetworks(model, 4, 0.5, level)
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"regime": "sideways"}, "regime must be 'forward' or 'backward', got 'sideways'"),
+    ({"sync_every": 0}, "sync_every must be an int >= 1, got 0"),
+    ({"sync_every": True}, "sync_every must be an int >= 1, got True"),
+    ({"scale": "double"}, "scale must be 'none' or 'inverse', got 'double'"),
+    ({"strategy": "ring"}, "strategy must be one of"),
+    ({"latency_bytes": -1}, "latency_bytes must be a finite number >= 0, got -1"),
+    ({"bucket_cap_mb": 0}, "bucket_cap_mb must be a positive number, got 0"),
+    ({"overlap": "yes"}, "overlap must be True or False, got 'yes'"),
+    ({"timeout": -5}, "timeout must be a positive, finite number of seconds, got -5"),
+    ({"shard_shared": True, "sync_every": 2}, "needs sync_every=1, got sync_every=2"),
+])
+def test_config_refuses_bad_values_by_name(options, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        sx.SDPConfig(**options)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):  # the keyword form too
+        sx.SubnetDataParallel(make_model(), plan_for(make_model()), simulate_rank=0, **options)
+
+
+def test_config_is_frozen_and_the_keyword_form_builds_the_same():
+    config = sx.SDPConfig(regime="backward", sync_every=2, bucket_cap_mb=0.5)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.regime = "forward"
+    assert dataclasses.replace(config, regime="forward").regime == "forward" and config.regime == "backward"
+    by_config = sx.SubnetDataParallel(make_model(), plan_for(make_model()), config, simulate_rank=1)
+    by_keywords = sx.SubnetDataParallel(make_model(), plan_for(make_model()), regime="backward", sync_every=2,
+                                        bucket_cap_mb=0.5, simulate_rank=1)
+    assert by_config.config == by_keywords.config == config
+    assert sx.SubnetDataParallel(make_model(), plan_for(make_model()), simulate_rank=0).config == sx.SDPConfig()
+
+
+def test_config_checks_against_the_plan():
+    with pytest.raises(ValueError, match="scale='inverse' applies to the neuron level in the forward regime"):
+        sx.SubnetDataParallel(make_model(), plan_for(make_model(), "block"), scale="inverse", simulate_rank=0)
+    with pytest.raises(ValueError, match="plan must be a SubnetPlan, got dict"):
+        sx.SubnetDataParallel(make_model(), {}, simulate_rank=0)
+
+
+def test_misplaced_options_are_named():
+    model, plan = make_model(), plan_for(make_model())
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['regim'\].*'regime'"):
+        sx.SubnetDataParallel(model, plan, regim="forward", simulate_rank=0)
+    with pytest.raises(TypeError, match="config must be an SDPConfig, got str 'backward'"):
+        sx.SubnetDataParallel(model, plan, "backward", simulate_rank=0)
+    with pytest.raises(TypeError, match=r"both config= and the options \['sync_every'\]"):
+        sx.SubnetDataParallel(model, plan, sx.SDPConfig(), sync_every=2, simulate_rank=0)
+
+
+def test_public_surface_is_the_documented_one():
+    """Beyond nn.Module's own names: the documented attributes and methods, nothing else."""
+    sdp = sx.SubnetDataParallel(make_model(), plan_for(make_model()), simulate_rank=0)
+    public = sorted(a for a in set(dir(sdp)) - set(dir(nn.Module())) if not a.startswith("_"))
+    assert public == sorted([
+        "module", "plan", "config", "rank", "world_size",
+        "no_sync", "require_backward_grad_sync", "after_step", "full_state_dict", "local_full_state_dict",
+        "load_full_state_dict", "full_optimizer_state_dict", "load_full_optimizer_state_dict",
+        "verify_consistency", "gradients_finite", "clip_grad_norm_", "full_model", "evaluate", "comm_stats",
+        "memory_report", "predicted_model_state_bytes", "close", "remove_hooks"])

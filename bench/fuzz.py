@@ -1,8 +1,9 @@
-"""Long fuzzing run (`make fuzz`, outside CI): every surface of tests/test_fuzz*.py with
-SUBNET_EXT_FUZZ_EXAMPLES examples (default here 10,000), each checked the way the test
-checks it (only the intended error type, or the reference result; a minimum share of
-examples compared). Writes the counts and the outcome per surface to
-bench/results/fuzz.md, rewritten after each surface so a partial run still reports.
+"""Long fuzzing run (`make fuzz`, outside CI): every surface of tests/planning/test_fuzz.py
+and tests/ops/test_fuzz_ops.py with SUBNET_EXT_FUZZ_EXAMPLES examples (default here
+10,000), each checked the way the test checks it (only the intended error type, or the
+reference result; a minimum share of examples compared). Writes the counts and the
+outcome per surface to bench/results/fuzz.md, rewritten after each surface so a partial
+run still reports.
 
     SUBNET_EXT_FUZZ_EXAMPLES=10000 python bench/fuzz.py [--out bench/results/fuzz.md]
 """
@@ -43,7 +44,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     os.environ.setdefault("SUBNET_EXT_FUZZ_EXAMPLES", "10000")
     examples = int(os.environ["SUBNET_EXT_FUZZ_EXAMPLES"])
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    tests = os.path.join(ROOT, "tests")
+    sys.path[:0] = [os.path.join(tests, "planning"), os.path.join(tests, "ops"), tests]  # the fuzzers, their harness
     import test_fuzz  # noqa: E402 - reads SUBNET_EXT_FUZZ_EXAMPLES at import (via fuzz_harness)
     import test_fuzz_ops
     from fuzz_harness import assert_compared

@@ -1,12 +1,17 @@
 """The `cuda` marker (pyproject.toml) on every GPU test, so `pytest -m cuda` selects them all.
 
 Whole GPU files and GPU-only tests carry @pytest.mark.cuda themselves (tests/gpu_marks.py;
-tests/test_cuda_markers.py fails when one is missing); the variants of a test
+tests/project/test_cuda_markers.py fails when one is missing); the variants of a test
 parametrised over subnet_ext.testing.DEVICES get it here, from their `device` parameter
 (they exist only where a GPU is visible and the CUDA kernels were built).
 
 With `-m cuda`, the run ends with one line counting the selected tests by outcome, which
 bench/gpu_check.sh shows in its summary ("[summary] ..." lines are its notes).
+
+The helpers beside this file (sdp_helpers.py, ...) import by their bare names from every
+test folder: pytest's default import mode (prepend) puts this conftest's folder, tests/,
+on sys.path, and each test file's own folder before it; no folder has an __init__.py, so
+test file names must be unique across folders (tests/README.md).
 """
 import pytest
 

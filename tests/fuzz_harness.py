@@ -1,6 +1,7 @@
-"""The fuzzing harness shared by test_fuzz.py and test_fuzz_ops.py (and bench/fuzz.py):
-hypothesis settings from SUBNET_EXT_FUZZ_EXAMPLES, a runner that counts each example's
-outcome, the check that enough examples reached the reference, and JSON mutation helpers.
+"""The fuzzing harness shared by planning/test_fuzz.py and ops/test_fuzz_ops.py (and
+bench/fuzz.py): hypothesis settings from SUBNET_EXT_FUZZ_EXAMPLES, a runner that counts
+each example's outcome, the check that enough examples reached the reference, and JSON
+mutation helpers.
 """
 import collections
 import os

@@ -1,6 +1,6 @@
 """Marks for tests that need a GPU: each carries the `cuda` marker, so that
 `pytest -m cuda` (bench/gpu_check.sh) selects it, and is skipped where it cannot run.
-tests/test_cuda_markers.py fails when a GPU-guarded test lacks the marker."""
+tests/project/test_cuda_markers.py fails when a GPU-guarded test lacks the marker."""
 import pytest
 import torch
 

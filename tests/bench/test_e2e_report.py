@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 from e2e_report import combine, ratio_cell, round_ratios, shard_targets  # noqa: E402
 from e2e_worker import Config  # noqa: E402

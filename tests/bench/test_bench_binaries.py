@@ -19,7 +19,7 @@ import torch
 
 from subnet_ext import _build_info
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BIN = ROOT / "bench" / "bin"
 # binary -> the first cells of its table's header row
 CPU_BINARIES = {"masked_linear_bench": "| shape | f | ours ms |", "pack_segments_bench": "| tensors | MiB total |"}

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch.nn as nn
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 
 
@@ -195,7 +195,7 @@ def test_design_citations_name_sections_that_exist():
     sections = set(HEADING.findall((DOCS / "design.md").read_text()))
     assert {"1", "1.1", "2", "3"} <= sections, sorted(sections)
     stale, unknown = [], []
-    for path in sorted(ROOT.glob("subnet_ext/**/*.py")) + sorted(ROOT.glob("tests/*.py")) + \
+    for path in sorted(ROOT.glob("subnet_ext/**/*.py")) + sorted(ROOT.glob("tests/**/*.py")) + \
             sorted(ROOT.glob("bench/*.py")) + sorted(p for p in ROOT.glob("csrc/**/*") if p.is_file()):
         text = path.read_text(errors="replace")
         if re.search(r"(?<![\w/])" + "DESIGN" + r"\.md", text):

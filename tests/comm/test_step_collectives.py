@@ -5,7 +5,7 @@ On NCCL, `work.wait(timeout)` makes the host wait for the collective (once per b
 while `work.wait()` only orders the current stream after it. Here torch.distributed is
 replaced by a recorder (no processes): which groups the Communicator makes, with which
 timeout, and how it waits. That a dead peer is still an error within the timeout is
-tests/test_reliability_distributed.py::test_absent_peer_times_out_naming_op_and_group.
+tests/engine/test_reliability_distributed.py::test_absent_peer_times_out_naming_op_and_group.
 """
 import datetime
 

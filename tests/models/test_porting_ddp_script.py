@@ -39,7 +39,7 @@ LEARNING_RATE, MIN_LR, WARMUP_ITERS, WEIGHT_DECAY, BETAS = 1e-2, 1e-3, 2, 0.1, (
 # Above every gradient norm of these runs (at most 1.41): the clipping call runs, computes the
 # whole model's norm (compared with DDP's below) and scales by exactly 1. A step it did scale
 # would differ from DDP's in the last bits of the coefficient (torch and SDP sum the norm in
-# different orders); tests/test_training_loop.py compares active clipping with DDP's.
+# different orders); tests/engine/test_training_loop.py compares active clipping with DDP's.
 GRAD_CLIP = 1.5
 
 

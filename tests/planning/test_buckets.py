@@ -1,7 +1,7 @@
 """Bucket layout: every piece at a 16-byte aligned buffer offset, gaps never overlapping data.
 
 The engine's averaged results with these padded buckets are checked against one-process
-references in tests/test_engine_distributed.py.
+references in tests/engine/test_engine_distributed.py.
 """
 import pytest
 import torch

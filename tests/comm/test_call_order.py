@@ -30,7 +30,8 @@ from subnet_ext.comm.call_check import CallOrderError
 from subnet_ext.testing import run_distributed
 
 TIMEOUT_S = 5.0
-TESTS = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.abspath(__file__))  # tests/comm: this module
+TESTS = os.path.dirname(HERE)  # tests/: the shared helpers (sdp_helpers)
 ROOT = os.path.dirname(TESTS)
 
 
@@ -64,7 +65,7 @@ def master_only_script(call: str, caller: int) -> None:
 def _launch(call: str, caller: int) -> list:
     """Run master_only_script on 2 ranks as separate processes; [(exit code, stderr)] per rank."""
     port = free_port()
-    code = f"import sys; sys.path.insert(0, {TESTS!r}); import test_call_order as t; " \
+    code = f"import sys; sys.path[:0] = [{HERE!r}, {TESTS!r}]; import test_call_order as t; " \
            f"t.master_only_script({call!r}, {caller})"
     procs = []
     for rank in range(2):

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # Collects the whole suite in a fresh interpreter and prints, per test, its skip reasons
 # and whether it is marked cuda (after the conftest's own marking).
@@ -50,4 +50,5 @@ def test_every_gpu_guarded_test_is_marked_cuda():
     assert not unmarked, f"{len(unmarked)} GPU-guarded test(s) lack @pytest.mark.cuda (tests/gpu_marks.py): {unmarked}"
     # The GPU tests are there to be found (the engine's, the kernels', the sync-free step's).
     files = {nodeid.split("::")[0] for nodeid, _ in guarded}
-    assert {"tests/test_engine_cuda.py", "tests/test_masked_linear.py", "tests/test_pack_segments.py"} <= files
+    assert {"tests/engine/test_engine_cuda.py", "tests/ops/test_masked_linear.py",
+            "tests/ops/test_pack_segments.py"} <= files

@@ -18,7 +18,7 @@ import ast
 import pathlib
 
 PACKAGE = "subnet_ext"
-ROOT = pathlib.Path(__file__).resolve().parent.parent / PACKAGE
+ROOT = pathlib.Path(__file__).resolve().parents[2] / PACKAGE
 LAYERS = ["ops", "planning", "comm", "state", "engine", "cli"]
 LEAVES = {"models", "data"}
 LEAF_USERS = {"planning", "engine", "cli"}

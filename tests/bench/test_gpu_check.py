@@ -15,7 +15,7 @@ from pathlib import Path
 
 pytest_plugins = ["pytester"]  # for the marker test
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = {"phase1": ["build", "build-info", "tests-cuda", "bench-build", "bench-masked-linear", "bench-pack-segments"],
          "phase2": ["build", "train-nccl", "simulated-rank-1b", "e2e-gpu"]}
 BENCHES = ("bench-masked-linear", "bench-pack-segments")

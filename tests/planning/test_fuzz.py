@@ -1,6 +1,6 @@
 """Fuzzing of every input a user or a file can hand us (hypothesis): plan JSON, CLI
 arguments and checkpoint manifests here, the ops' indices and rectangles in
-test_fuzz_ops.py. The contract: the one error type the surface means to raise (ValueError
+tests/ops/test_fuzz_ops.py. The contract: the one error type the surface means to raise (ValueError
 from SubnetPlan.from_json; argparse's exit 2; CorruptCheckpoint from read_manifest), or a
 value checked usable/exact. Any other exception fails the test.
 

@@ -6,7 +6,7 @@ properties and `forward` included). Nested functions are private to their enclos
 import ast
 import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent / "subnet_ext"
+ROOT = pathlib.Path(__file__).resolve().parents[2] / "subnet_ext"
 
 
 def missing_docstrings(root: pathlib.Path = ROOT) -> list[str]:

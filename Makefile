@@ -5,9 +5,9 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 # transformers + safetensors: the optional [hf] extra (--model hf:DIR), installed so CI tests it.
 DEPS := torch numpy ninja pybind11 setuptools wheel pytest hypothesis tqdm matplotlib scikit-learn transformers safetensors
-# Real-architecture tests (tests/test_real_models.py): CPU wheels; torchvision 0.29 is the build for torch 2.14.
+# Real-architecture tests (tests/models/test_real_models.py): CPU wheels; torchvision 0.29 is the build for torch 2.14.
 TEST_DEPS := torchvision timm
-# The documentation (`make docs`, tests/test_docs.py): the [docs] extra.
+# The documentation (`make docs`, tests/project/test_docs.py): the [docs] extra.
 DOCS_DEPS := sphinx myst-parser
 export MAX_JOBS ?= 2
 
@@ -47,7 +47,7 @@ demo: build
 	$(PY) -m subnet_ext.cli.train compare --seeds $(DEMO_SEEDS)
 
 # The documentation: docs/ (MyST pages) and the API reference from the docstrings, into
-# docs/_build/html; every warning is an error. tests/test_docs.py runs the same build.
+# docs/_build/html; every warning is an error. tests/project/test_docs.py runs the same build.
 docs: build
 	$(PY) -m sphinx -E -W --keep-going -b html -d docs/_build/doctrees docs docs/_build/html
 	@echo "docs: open docs/_build/html/index.html"

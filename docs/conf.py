@@ -3,7 +3,7 @@
 The pages are Markdown (MyST) beside this file; the API reference (api/) is generated
 from the package's docstrings by autodoc, so the package must be importable (built):
 `make docs` builds it first. Warnings are errors there (`-W --keep-going`), and
-tests/test_docs.py runs the same build.
+tests/project/test_docs.py runs the same build.
 """
 import pathlib
 import sys

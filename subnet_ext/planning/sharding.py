@@ -24,7 +24,7 @@ RESHARD_AFTER_FORWARD = False
 FSDP_SOURCE = ("predicted from the shared parameters' sizes: FSDP2 issues these collectives itself (one "
                "all-gather before the forward, kept through the backward, and one reduce-scatter of the "
                "gradients), so they are not counted by SDP's counter; "
-               "tests/test_shard_shared.py checks them against a count of FSDP2's c10d calls")
+               "tests/engine/test_shard_shared.py checks them against a count of FSDP2's c10d calls")
 
 
 def sharded_names(plan: SubnetPlan) -> list[str]:

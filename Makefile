@@ -7,15 +7,18 @@ PIP := $(VENV)/bin/pip
 DEPS := torch numpy ninja pybind11 setuptools wheel pytest hypothesis tqdm matplotlib scikit-learn transformers safetensors
 # Real-architecture tests (tests/test_real_models.py): CPU wheels; torchvision 0.29 is the build for torch 2.14.
 TEST_DEPS := torchvision timm
+# The documentation (`make docs`, tests/test_docs.py): the [docs] extra.
+DOCS_DEPS := sphinx myst-parser
 export MAX_JOBS ?= 2
 
-.PHONY: venv build test demo bench bench-e2e fuzz clean
+.PHONY: venv build test demo docs bench bench-e2e fuzz clean
 
 $(VENV)/.deps: Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(DEPS)
 	$(PIP) install -q $(TEST_DEPS)
+	$(PIP) install -q $(DOCS_DEPS)
 	touch $@
 
 venv: $(VENV)/.deps
@@ -42,6 +45,12 @@ test: build
 DEMO_SEEDS ?= 5
 demo: build
 	$(PY) -m subnet_ext.cli.train compare --seeds $(DEMO_SEEDS)
+
+# The documentation: docs/ (MyST pages) and the API reference from the docstrings, into
+# docs/_build/html; every warning is an error. tests/test_docs.py runs the same build.
+docs: build
+	$(PY) -m sphinx -E -W --keep-going -b html -d docs/_build/doctrees docs docs/_build/html
+	@echo "docs: open docs/_build/html/index.html"
 
 # Kernel microbenchmarks: builds bench/bin/ and writes bench/results/cpu.md (bench/README.md).
 bench: build
@@ -82,4 +91,4 @@ study: build
 	$(PY) bench/study.py
 
 clean:
-	rm -rf build bench/bin *.egg-info subnet_ext/_C*.so subnet_ext/_build_info.py
+	rm -rf build bench/bin docs/_build *.egg-info subnet_ext/_C*.so subnet_ext/_build_info.py

@@ -9,7 +9,7 @@ tokens: "full replica" is the plain model (what every DDP rank holds and compute
 r's subnetwork and replaces its collectives with no-ops that count bytes. Reported:
 median step time and tokens/s, peak memory of training (CUDA allocator peak on GPU,
 resident-memory growth on CPU; measured from after the model is built), model-state
-bytes, and the ratios, with the issue's GPU targets.
+bytes, and the ratios, with the GPU targets.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """subnet_ext: Subnetwork Data Parallelism (SDP) for PyTorch.
 
 Each of K ranks trains a structured subnetwork of the model; each parameter is averaged
-only among the ranks that hold it. See README.md and DESIGN.md.
+only among the ranks that hold it. See README.md and docs/design.md.
 """
 import sys as _sys
 

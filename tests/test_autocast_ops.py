@@ -1,4 +1,4 @@
-"""The masked-linear op under torch.autocast behaves as nn.Linear does (DESIGN.md §7):
+"""The masked-linear op under torch.autocast behaves as nn.Linear does (docs/design.md §5.2):
 output in the autocast dtype, values within the flash-attention rule of the exact result
 on the autocast-cast operands, gradients of fp32 leaves in fp32."""
 import pytest

@@ -9,7 +9,7 @@ use, as in eager. The masked op compiles without a break, forward and backward.
 One process: the engine simulates rank 0 of 2 (collectives are no-ops that count), a
 tiny model, 3 steps. Backend "aot_eager" (dynamo capture + AOT autograd, the parts that
 decide graph breaks and correctness) keeps compile time small on 2 cores; inductor was
-checked by hand (README).
+checked by hand (docs/user-guide.md, torch.compile).
 """
 import torch
 import torch.nn.functional as F

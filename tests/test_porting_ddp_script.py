@@ -1,4 +1,4 @@
-"""A nanoGPT-style DDP training loop, ported to SDP as the README's "Porting a DDP script" says.
+"""A nanoGPT-style DDP training loop, ported to SDP as docs/porting.md says.
 
 The loop (`nanogpt_loop`) is nanoGPT's train.py reduced to its habits: a per-rank seed
 (rank 0's values are broadcast by the wrapper), AdamW with weight-decay groups from
@@ -6,7 +6,7 @@ The loop (`nanogpt_loop`) is nanoGPT's train.py reduced to its habits: a per-ran
 accumulation through `model.require_backward_grad_sync`, gradient clipping, evaluation and
 logging under `if master_process:`, and a checkpoint saved by rank 0 and loaded later into a
 fresh GPT. The DDP run keeps nanoGPT's order (optimizer built before wrapping,
-`raw_model.state_dict()`); the SDP run differs only where the README says it must: the
+`raw_model.state_dict()`); the SDP run differs only where docs/porting.md says it must: the
 optimizer is built after wrapping from `sdp.named_parameters()`, clipping is
 `sdp.clip_grad_norm_`, and the checkpoint is `sdp.full_state_dict()`, called on every rank.
 

@@ -226,7 +226,7 @@ def test_require_backward_grad_sync_communicates_like_no_sync():
         assert "DTensor" in r["shard_state_dict"] and "full_state_dict" in r["shard_state_dict"], r["shard_state_dict"]
 
 
-# --------------------------------------------------------------------------- the README's import spellings
+# ------------------------------------------------------------------------- the documented import spellings
 def test_checkpoint_module_imports_as_the_readme_writes_it():
     import subprocess
     import sys

@@ -1,4 +1,4 @@
-"""Residual blocks are whole units and skipping one is the identity (DESIGN.md §8).
+"""Residual blocks are whole units and skipping one is the identity (docs/design.md §1.1).
 
 Blocks with several residual branches (pre-LN, post-LN and parallel GPT blocks, a block
 with three adds, post-activation ResNet blocks with a projection, pre-activation

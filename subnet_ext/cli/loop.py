@@ -4,7 +4,7 @@ Every rank executes the same sequence of collectives; only rank 0 prints and wri
 the report. Batches depend only on (seed, step, rank), so a resumed run sees the
 batches the interrupted one would have seen.
 
-Reliability (README "Reliability"): a step whose gradients are not finite on some rank
+Reliability (docs/reliability.md): a step whose gradients are not finite on some rank
 is skipped on every rank (`NonFiniteGuard`, `--max-skipped`); `--verify-every N` proves
 the owners agree; checkpoints are verified and atomic (`checkpointing`); every
 collective has a deadline (`--timeout`).

@@ -320,7 +320,7 @@ class SDPMethod(Method):
 
     def clip_grad_norm_(self, max_norm):
         """Clip by the whole model's synchronised gradient norm; returns that norm (0-d tensor)."""
-        # The norm of the synchronised gradient of the whole model (DESIGN.md §7), not one rank's share.
+        # The norm of the synchronised gradient of the whole model (docs/design.md §5.1), not one rank's share.
         return self.sdp.clip_grad_norm_(max_norm)
 
     def parameters(self):

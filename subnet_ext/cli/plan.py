@@ -7,7 +7,7 @@ FLOPs are traced from one forward of a sample input on the meta device (resnet
 3x32x32 images, mlp its 64 features, llama [1, --seq-len] tokens), so the bytes and
 FLOP imbalances printed are those of the plan's subnetworks at that input size.
 Model state assumes fp32 parameters and gradients and AdamW (8 bytes per parameter);
-communication is per step, as ring all-reduce bytes moved per rank (DESIGN.md §2).
+communication is per step, as ring all-reduce bytes moved per rank (docs/design.md §2).
 """
 from __future__ import annotations
 

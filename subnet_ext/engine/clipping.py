@@ -1,4 +1,4 @@
-"""Gradient-norm clipping over the whole model's synchronised gradient (DESIGN.md §7).
+"""Gradient-norm clipping over the whole model's synchronised gradient (docs/design.md §5.1).
 
 torch's `clip_grad_norm_(sdp.parameters(), ...)` sees one rank's share of the model: a
 rank that owns fewer units sees a smaller norm, clips by another coefficient, and the

@@ -303,7 +303,7 @@ class SubnetDataParallel(DDPInterface, nn.Module):
         """{mode: output}, each the model's output structure (tensors in tuples, lists, dicts,
         dataclasses, ModelOutputs), floating tensors as float32 (e.g. logits [B, C]):
         "full": the union of subnetworks; "ensemble": the ranks' subnetwork outputs averaged
-        (one all-reduce); "subnetwork": this rank's own. With loss_fn(output, *targets) ->
+        (one all-reduce); "subnetwork": this rank's own. With `loss_fn(output, *targets)` ->
         scalar also "loss": {"full": 0-d, "ensemble": 0-d (of the averaged output),
         "subnetworks": [K], rank r's own at r (NaN for ranks a simulated engine lacks)}.
         residual_scale: of "full", as full_state_dict's. Collective; eval mode, restored. See evaluation.py."""

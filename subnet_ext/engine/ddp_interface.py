@@ -35,7 +35,7 @@ class DDPInterface:
         """Gradient accumulation without communication, as torch DDP's `no_sync()`.
 
         Backward passes run inside the context only accumulate into `.grad`; the first
-        backward after it averages the accumulated sum among owners as usual:
+        backward after it averages the accumulated sum among owners as usual::
 
             with sdp.no_sync():
                 loss_fn(sdp(x0), y0).backward()

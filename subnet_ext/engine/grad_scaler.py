@@ -1,4 +1,4 @@
-"""A loss scaler whose skip decision is agreed by every rank (DESIGN.md §7, skipped steps).
+"""A loss scaler whose skip decision is agreed by every rank (docs/design.md §5.2).
 
 torch.amp.GradScaler decides from the gradients one rank holds. Under SDP a unit owned
 by ranks {0, 1} is averaged among them only, so an inf there is seen by ranks 0 and 1

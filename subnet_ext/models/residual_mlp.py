@@ -7,7 +7,7 @@ import torch.nn as nn
 
 
 class ResidualMLPBlock(nn.Module):
-    """x + fc2(act(fc1(norm(x)))); x: [*, width]. Nothing stored is used in forward, so a
+    """`x + fc2(act(fc1(norm(x))))`; x: `[*, width]`. Nothing stored is used in forward, so a
     block whose hidden width was sliced (fc1 rows, fc2 columns) still runs."""
 
     def __init__(self, width: int, hidden: int):
@@ -42,7 +42,7 @@ class ResidualMLP(nn.Module):
 
 
 def plain_mlp(in_features: int, num_classes: int, hidden=(256, 256, 256)) -> nn.Sequential:
-    """Linear/ReLU stack; the planner masks alternate hidden layers (DESIGN.md §1)."""
+    """Linear/ReLU stack; the planner masks alternate hidden layers (docs/design.md §1.1)."""
     layers, width = [nn.Flatten()], in_features
     for h in hidden:
         layers += [nn.Linear(width, h), nn.ReLU()]

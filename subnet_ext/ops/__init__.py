@@ -3,10 +3,11 @@
 Notation used throughout: a full linear layer has weight W [O, I]. `out_idx` = R (the
 kept outputs) and `in_idx` = S (the kept inputs) are 1-D int64 tensors of distinct
 indices on the operands' device; an absent index means "all". A weight is stored either
-full [O, I] or compact [|R|, |S|] (`compact_weight=True`, the forward regime's storage).
+full [O, I] or compact `[|R|, |S|]` (`compact_weight=True`, the forward regime's storage).
 Packed segments (the tables of `pack_segments` / `unpack_average_`): see segments.py.
 
-Modules, mirroring csrc/:
+Modules, mirroring csrc/::
+
   linear.py        masked_linear, masked_linear_backward (its one gradient formula),
                    masked_linear_grad_weight_                  (csrc/masked_linear.cpp)
   segments.py      segment_table, PreparedSegments, pack_segments, unpack_average_

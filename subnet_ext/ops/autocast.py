@@ -1,4 +1,4 @@
-"""How a linear layer runs under torch.autocast, as nn.Linear does (DESIGN.md §7).
+"""How a linear layer runs under torch.autocast, as nn.Linear does (docs/design.md §5.2).
 
 Inside `torch.autocast(device, dtype)` a linear layer runs in the autocast dtype: its
 floating inputs (fp32, fp16, bf16; never fp64) are cast to that dtype, the GEMM

@@ -32,16 +32,16 @@ def masked_linear(
 ) -> torch.Tensor:
     """y = x[..., S] @ W[R][:, S]^T + b[R]; differentiable in x, weight and bias.
 
-    When a gradient is needed, the gathered x[..., S] ([N, |S|]) and, for a full weight
-    with indices, W[R][:, S] ([|R|, |S|]) are kept for the backward instead of being
-    gathered again (time for memory: f·|x| and f²·|W| more saved tensors).
+    When a gradient is needed, the gathered `x[..., S]` (`[N, |S|]`) and, for a full weight
+    with indices, `W[R][:, S]` (`[|R|, |S|]`) are kept for the backward instead of being
+    gathered again (time for memory: `f·|x|` and `f²·|W|` more saved tensors).
 
     Args:
-        x: [*, I_x]. I_x = I for a full weight; for a compact weight, any width S indexes.
-        weight: [O, I] full, or [|R|, |S|] when compact_weight.
-        bias: [O] for a full weight, [|R|] for a compact one; optional.
+        x: `[*, I_x]`. I_x = I for a full weight; for a compact weight, any width S indexes.
+        weight: [O, I] full, or `[|R|, |S|]` when compact_weight.
+        bias: [O] for a full weight, `[|R|]` for a compact one; optional.
         out_idx, in_idx: R and S (int64, distinct).
-        scatter_width: None → output [*, |R|]; an int W → output [*, W] with the kept
+        scatter_width: None → output `[*, |R|]`; an int W → output `[*, W]` with the kept
             outputs at columns R and zeros elsewhere.
         check_indices: True validates the index values (in range, distinct; on CUDA one
             device sync per call). False checks dtype/dim/device and, on CPU, the range
@@ -50,7 +50,7 @@ def masked_linear(
             (the engine, whose plan validated them once), and the forward and its backward
             then never synchronise (CUDA-graph capturable).
     Returns:
-        [*, |R|] or [*, scatter_width], dtype of x.
+        `[*, |R|]` or `[*, scatter_width]`, dtype of x.
     """
     width = -1 if scatter_width is None else int(scatter_width)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
@@ -85,17 +85,17 @@ def masked_linear_backward(
     g_R^T @ x_S, grad_bias = Σ_rows g_R, where g_R = grad_out's columns R.
 
     Args:
-        grad_out: [*, |R|], or [*, W] full-width when grad_out_full (its columns R are used).
+        grad_out: `[*, |R|]`, or `[*, W]` full-width when grad_out_full (its columns R are used).
         x, weight, out_idx, in_idx, compact_weight: as in `masked_linear`.
         dense_grad_input: grad_x = grad_out @ W with the full weight and full grad_out
             (backward regime: the forward was the full layer, only weight gradients are
             masked). Otherwise grad_x = g_R @ W_RS placed at columns S, zeros elsewhere.
         output_mask: which of (grad_x, grad_weight, grad_bias) to compute.
-        x_kept, weight_block: x[..., S] as [N, |S|] and W[R][:, S] as returned by
+        x_kept, weight_block: `x[..., S]` as `[N, |S|]` and `W[R][:, S]` as returned by
             `masked_linear_forward`; used instead of gathering them again (None or an
             empty [0] tensor: gather here).
         check_indices: as in `masked_linear` (False: the caller guarantees the indices).
-        grad_weight_out: [|R|, |S|] (e.g. a view of a communication bucket): the weight
+        grad_weight_out: `[|R|, |S|]` (e.g. a view of a communication bucket): the weight
             gradient is written into it, in place, instead of into a new tensor, and it is
             returned as grad_weight. fp32 with fp16/bf16 operands: gathered in the half
             dtype and multiplied with fp32 output and accumulation (no fp32 copy of
@@ -104,7 +104,7 @@ def masked_linear_backward(
             weight gradient does not depend on it).
         accumulate: with grad_weight_out, add to it instead of overwriting it.
     Returns:
-        (grad_x [*, I_x] | None, grad_weight [|R|, |S|] compact | None, grad_bias [|R|] | None).
+        `(grad_x [*, I_x] | None, grad_weight [|R|, |S|] compact | None, grad_bias [|R|] | None)`.
     """
     into = grad_weight_out is not None and output_mask[1]
     mask = [output_mask[0], output_mask[1] and not into, output_mask[2]]
@@ -135,14 +135,14 @@ def masked_linear_grad_weight_(
     accumulate: bool = False,
     check_indices: bool = True,
 ) -> None:
-    """out (=|+=) g_R^T @ x_S, in place: the owned weight-gradient block.
+    """`out (=|+=) g_R^T @ x_S`, in place: the owned weight-gradient block.
 
     Args:
-        out: [|R|, |S|]; may be a view of a flat communication buffer
+        out: `[|R|, |S|]`; may be a view of a flat communication buffer
             (e.g. `flat[off:off + r * s].view(r, s)`). The dtype of grad_out and x, or
             float32 when they are fp16/bf16: the owned block is gathered in that dtype and
             multiplied with fp32 output and accumulation (no fp32 copy of grad_out or x).
-        grad_out: [*, |R|], or [*, W] when grad_out_full. x: [*, I_x].
+        grad_out: `[*, |R|]`, or `[*, W]` when grad_out_full. x: `[*, I_x]`.
         accumulate: add to out instead of overwriting it.
         check_indices: as in `masked_linear` (False: the caller guarantees the indices).
     """

@@ -12,7 +12,7 @@ import torch
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    """[*, w] as [N, w], N the product of the leading sizes (reshape(-1, 0) is ambiguous)."""
+    """`[*, w]` as `[N, w]`, N the product of the leading sizes (reshape(-1, 0) is ambiguous)."""
     return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
@@ -37,7 +37,7 @@ def masked_linear(
     compact_weight: bool = False,
     scatter_width: Optional[int] = None,
 ) -> torch.Tensor:
-    """Reference of `ops.masked_linear`: [*, |R|] or [*, scatter_width]."""
+    """Reference of `ops.masked_linear`: `[*, |R|]` or `[*, scatter_width]`."""
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     xs = x if in_idx is None else x[..., in_idx]
     w = _block(weight, out_idx, in_idx, compact_weight)
@@ -55,7 +55,7 @@ def masked_linear(
 
 def masked_linear_forward(x, weight, bias=None, out_idx=None, in_idx=None, *, compact_weight=False,
                           scatter_width=None):
-    """Reference of the `masked_linear_forward` op: (y, x_kept [N, |S|] | [0], W_RS | [0])."""
+    """Reference of the `masked_linear_forward` op: `(y, x_kept [N, |S|] | [0], W_RS | [0])`."""
     y = masked_linear(x, weight, bias, out_idx, in_idx, compact_weight=compact_weight, scatter_width=scatter_width)
     x_kept = _rows(x)[:, in_idx] if in_idx is not None else x.new_empty(0)
     gathered = not compact_weight and (out_idx is not None or in_idx is not None)
@@ -64,7 +64,7 @@ def masked_linear_forward(x, weight, bias=None, out_idx=None, in_idx=None, *, co
 
 
 def _backward_operands(grad_out, x, out_idx, in_idx, grad_out_full):
-    """(accumulation dtype, g [N, W], x2 [N, I_x], g_R [N, |R|], x_S [N, |S|]) in that dtype."""
+    """`(accumulation dtype, g [N, W], x2 [N, I_x], g_R [N, |R|], x_S [N, |S|])` in that dtype."""
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     g = _rows(grad_out).to(acc)
     x2 = _rows(x).to(acc)

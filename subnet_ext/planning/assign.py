@@ -1,4 +1,4 @@
-"""Who owns what: the owner matrix from unit sizes, r owners per unit (DESIGN.md §1).
+"""Who owns what: the owner matrix from unit sizes, r owners per unit (docs/design.md §1.2).
 
 Neuron level (equal units within a group, n units, K ranks, r owners):
 - n >= K: the group is cut into K contiguous chunks with Bresenham bounds

@@ -1,4 +1,4 @@
-"""Block groups: residual blocks found in a model or declared by the user (DESIGN.md §8).
+"""Block groups: residual blocks found in a model or declared by the user (docs/design.md §1.1).
 
 A block is one unit holding every parameter of the block except those of a shortcut
 projection (residual.py traces which those are): skipping it is the identity on its input,

@@ -1,4 +1,4 @@
-"""The cost model of DESIGN.md §2, from the plan alone (no process group needed).
+"""The cost model of docs/design.md §2, from the plan alone (no process group needed).
 
 Bytes *handed to collectives* by one rank in one synchronisation:
 - per-group strategy: for every owner set S with this rank and |S| > 1, the bytes of

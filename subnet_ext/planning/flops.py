@@ -1,4 +1,4 @@
-"""FLOPs per unit, measured by tracing one forward on the meta device (DESIGN.md §1).
+"""FLOPs per unit, measured by tracing one forward on the meta device (docs/design.md §1.2).
 
 A convolution's cost depends on its input's spatial size and attention's on the
 sequence length, not only on the parameter count, so the planner counts FLOPs by

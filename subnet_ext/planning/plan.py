@@ -10,7 +10,7 @@ a unit of every group whenever r x units >= K; at block level greedy balancing o
 bytes and FLOPs together. FLOPs (flops.py) are traced on the meta device from a
 `sample_input`; without one they fall back to 2 x parameters, and summary() says so.
 
-The rank graph joins two ranks that share a unit (DESIGN.md §1): shared parameters do
+The rank graph joins two ranks that share a unit (docs/design.md §1.2): shared parameters do
 not count, or every model with a stem would get the complete graph. A plan whose units
 leave it disconnected warns (its ranks are tied by the shared parameters only) and is
 refused only when no shared parameter ties the ranks either.

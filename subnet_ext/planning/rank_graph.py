@@ -1,4 +1,4 @@
-"""The rank graph: ranks are adjacent when they share a unit (DESIGN.md §1).
+"""The rank graph: ranks are adjacent when they share a unit (docs/design.md §1.2).
 
 Shared parameters do not count: every rank holds them, so counting them would make
 every graph complete and the connectivity check meaningless. The spectral gap (second-

@@ -1,4 +1,4 @@
-"""What skipping a residual block computes, found by tracing the block's dataflow (DESIGN.md §8).
+"""What skipping a residual block computes, found by tracing the block's dataflow (docs/design.md §1.1).
 
 A rank that does not own a block still has to produce the block's output: it runs the
 block's *skip path*. The block is traced once with torch.fx, its children kept as opaque

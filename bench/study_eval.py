@@ -114,7 +114,7 @@ def evaluate_method(kind: str, method, task, batches: list, device, stochastic=N
     sub = subnetwork_of(full, plan, dist.get_rank())
     subnetworks, out["ensemble"] = subnetworks_and_ensemble(sub, task, batches, device)
     metrics = _as_metrics(out)
-    if method.sdp.regime == "forward":  # the cut equals what the rank trained: checked on one batch
+    if method.sdp.config.regime == "forward":  # the cut equals what the rank trained: checked on one batch
         metrics["subnetwork_check"] = _max_difference(sub, method.sdp.module, batches[0][0].to(device))
     metrics["subnetworks"] = {"loss": [s[0] for s in subnetworks], "accuracy": [s[1] for s in subnetworks]}
     return metrics

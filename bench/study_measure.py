@@ -31,6 +31,7 @@ def register_masked_linear_flops() -> None:
     """Give FlopCounterMode formulas for the subnet_ext masked-linear ops (once per process)."""
     if _REGISTERED:
         return
+    import subnet_ext.ops.linear  # noqa: F401  (loads the library: importing subnet_ext alone does not)
     ops = torch.ops.subnet_ext
 
     @register_flop_formula([ops.masked_linear, ops.masked_linear_forward])

@@ -1,4 +1,4 @@
-"""Issue 14's acceptance matrix: every training-loop feature x {torch DDP at coverage 1.0
+"""The training-loop acceptance matrix: every training-loop feature x {torch DDP at coverage 1.0
 (2 ranks), verify_consistency at coverage 0.5 (4 ranks)} x {forward, backward} regime.
 
 Features: gradient clipping (sdp.clip_grad_norm_ vs torch.nn.utils.clip_grad_norm_), loss

@@ -27,7 +27,7 @@ MAX_MODULE_LINES, MAX_FUNCTION_LINES = 400, 60
 NO_CALLBACK_LAYERS = {"ops", "planning", "comm"}  # take data and typed objects from above, never behaviour
 TYPED_CONSTRUCTOR_LAYERS = {"comm"}  # every constructor parameter annotated, so the checks see it
 ENGINE_NAMES = {"sdp", "engine"}  # parameter names that say "the whole engine"
-# Violations found by this test and not fixed yet (issue 12): listed so that any new one
+# Violations found by this test and not fixed yet: listed so that any new one
 # fails, and fixing one fails until it is removed from here.
 KNOWN_CYCLES = []
 KNOWN_LONG_FUNCTIONS = []

@@ -4,7 +4,7 @@
 
 The model is built on the meta device (no memory, instant even for the 1B preset).
 FLOPs are traced from one forward of a sample input on the meta device (resnet
-3x32x32 images, mlp its 64 features, llama [1, --seq-len] tokens), so the bytes and
+3x32x32 images, mlp its 64 features, llama and gpt [1, --seq-len] tokens), so the bytes and
 FLOP imbalances printed are those of the plan's subnetworks at that input size.
 Model state assumes fp32 parameters and gradients and AdamW (8 bytes per parameter);
 communication is per step, as ring all-reduce bytes moved per rank (docs/design.md §2).
@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from ..planning.costs import choose_strategy, predicted_comm
 from ..planning.sharding import predicted_fsdp_comm, predicted_sharded_model_state
-from ..models import LLAMA_PRESETS, build_model
+from ..models import GPT_PRESETS, LLAMA_PRESETS, build_model
 from ..planning.plan import plan_subnetworks
 
 MIB = 2 ** 20
@@ -29,15 +29,16 @@ def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of `subnet-plan` (model, preset, width, world size, coverage, level, ...)."""
     p = argparse.ArgumentParser(prog="subnet-plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=("mlp", "resnet", "llama"), default="llama")
-    p.add_argument("--preset", default=None, help=f"llama preset: {', '.join(LLAMA_PRESETS)} (default tiny)")
+    p.add_argument("--model", choices=("mlp", "resnet", "llama", "gpt"), default="llama")
+    p.add_argument("--preset", default=None,
+                   help=f"llama preset: {', '.join(LLAMA_PRESETS)}; gpt preset: {', '.join(GPT_PRESETS)} (default tiny)")
     p.add_argument("--width", type=int, default=None, help="mlp/resnet width")
     p.add_argument("--world-size", type=int, default=8)
     p.add_argument("--coverage", type=float, default=0.5)
     p.add_argument("--level", choices=("block", "neuron"), default="block")
     p.add_argument("--regime", choices=("forward", "backward"), default="forward")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--seq-len", type=int, default=64, help="llama: tokens in the traced sample (FLOPs)")
+    p.add_argument("--seq-len", type=int, default=64, help="llama, gpt: tokens in the traced sample (FLOPs)")
     p.add_argument("--json", default=None, help="also write the plan as JSON to this path")
     p.add_argument("--shard-shared", action="store_true",
                    help="also predict SDP with the shared parameters sharded by FSDP2 (SubnetDataParallel shard_shared)")
@@ -117,7 +118,7 @@ def main(argv=None) -> int:
         parser.error(f"--world-size must be at least 1, got {args.world_size}")
     if not 0.0 < args.coverage <= 1.0:
         parser.error(f"--coverage must be in (0, 1], got {args.coverage}")
-    kw = {} if args.model == "llama" else {"in_features": 64, "in_channels": 3, "num_classes": 10}
+    kw = {} if args.model in ("llama", "gpt") else {"in_features": 64, "in_channels": 3, "num_classes": 10}
     if args.width is not None:
         kw["width"] = args.width
     try:

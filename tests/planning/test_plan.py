@@ -157,3 +157,18 @@ def test_plan_cli_1b_at_world_size_8(capsys):
     with pytest.raises(SystemExit):
         main(["--coverage", "0"])
     assert "--coverage must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_plan_cli_plans_the_gpt_by_its_blocks(capsys):
+    from subnet_ext.cli.plan import main
+    from subnet_ext.models import build_model
+
+    model = build_model("gpt", preset="small")
+    total = sum(p.numel() for p in model.parameters())
+    block = sum(p.numel() for p in model.transformer.h[0].parameters())
+    held = total - len(model.transformer.h) * block + 2 * block  # everything outside the blocks, and 2 of 4 blocks
+    assert main(["--model", "gpt", "--preset", "small", "--world-size", "4", "--coverage", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert f"{total / 1e6:.1f}M parameters" in out and "(traced one forward of [1, 64] int64)" in out
+    for rank in range(4):
+        assert f"| {rank} | 2 | {held:,} |" in out, out

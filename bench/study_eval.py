@@ -20,7 +20,6 @@ import torch.distributed as dist
 
 from subnet_ext.cli.methods import eval_mode
 from subnet_ext.cli.tasks import logits_of
-from subnet_ext.engine.evaluation import full_model
 from subnet_ext.engine.residual_scale import scale_full_state
 
 
@@ -103,13 +102,13 @@ def evaluate_method(kind: str, method, task, batches: list, device, stochastic=N
                 stochastic.scale_at_eval = True
         return _as_metrics(out)
     plan, sdp = method.plan, method.sdp
-    state = sdp.full_state_dict()  # collective: the assembled union of the subnetworks
-    full = full_model(sdp._skeleton, plan, state)
+    full = sdp.full_model()  # collective: the assembled union of the subnetworks
     out = {"full": sharded_metrics(full, task, batches, device)}
     if not every_model:
         return _as_metrics(out)
-    if plan.level == "block":  # stochastic depth's rule in the weights (engine/residual_scale.py)
-        scaled = full_model(sdp._skeleton, plan, scale_full_state(state, plan, sdp._skeleton, "owner_fraction"))
+    if plan.level == "block":  # stochastic depth's rule in the weights (engine/residual_scale.py), on a copy
+        scaled = copy.deepcopy(full)
+        scaled.load_state_dict(scale_full_state(full.state_dict(), plan, full, "owner_fraction"))
         out["full_scaled"] = sharded_metrics(scaled, task, batches, device)
     sub = subnetwork_of(full, plan, dist.get_rank())
     subnetworks, out["ensemble"] = subnetworks_and_ensemble(sub, task, batches, device)

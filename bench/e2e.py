@@ -125,6 +125,8 @@ def parse(argv=None):
     p.add_argument("--shard-shared", choices=("off", "also", "only"), default="off",
                    help="SDP rows with the shared parameters sharded by FSDP2 (sdp-*-shard): none, beside the "
                         "unsharded rows, or instead of them")
+    p.add_argument("--fail-on-error", action="store_true",
+                   help="exit 1 when a configuration failed or was refused (bench/gpu_check.sh)")
     p.add_argument("--profile", action="store_true",
                    help="profile one step per configuration (rank 0, torch.profiler) and list its top ops")
     opts = p.parse_args(argv)
@@ -195,7 +197,11 @@ def main(argv=None) -> int:
         f.write(text)
     print(text)
     print(f"wrote {opts.out}")
-    return 0
+    failed = [c.label for c, r in results if "error" in r] + [f"overlap: {k}" for k, r in overlap_res.items()
+                                                              if "error" in r]
+    print(f"[summary] {len(results)} configuration(s), {len(failed)} failed or refused"
+          + (f": {', '.join(failed)}" if failed else ""))
+    return 1 if failed and opts.fail_on_error else 0
 
 
 if __name__ == "__main__":

@@ -1,60 +1,95 @@
 #!/usr/bin/env bash
-# The GPU check on a lent H200, in two phases, each ONE device call of at most 8 minutes
-# (each step has its own time limit; the limits of a phase add up to <= 480 s):
+# Everything that needs a GPU, in ONE device call on a lent H200 (<= 480 s, the build included):
 #
-#   OUT=$OUT bash bench/gpu_check.sh phase1   # build for sm_90, every cuda test, kernel microbenchmarks
-#   OUT=$OUT bash bench/gpu_check.sh phase2   # NCCL training (one rank), rank 0 of 8 simulated, e2e on GPU
-#   OUT=/tmp/x bash bench/gpu_check.sh phase1 --dry-run   # the same plumbing on CPU, tiny sizes (CI)
+#   OUT=$OUT GPU_CHECK_COMMIT=<sha> bash bench/gpu_check.sh all    # build, tests, bench, e2e
+#   OUT=$OUT bash bench/gpu_check.sh tests bench                    # some phases again, on a warm machine
+#   OUT=/tmp/x bash bench/gpu_check.sh all --dry-run                # the same plumbing on CPU, tiny sizes (CI)
 #
-# Run phase2 right after phase1, on the still-warm machine: its first step reuses
-# phase1's build (and rebuilds, within its limit, on a fresh machine).
-# Every step writes its output to $OUT/<step>.log as it runs (tee), and $OUT/summary.md
-# (versions; per step: exit code, result, seconds, notes) is rewritten after every step,
-# so a call killed at its limit still brings back everything done so far. A step's note
-# is its last "[summary] ..." line, else its last line. At most 7 files per phase land in
-# $OUT (the device tool brings back 8).
+# Phases, in this order (`all` runs the four):
+#   build  the package for sm_90 only (pip --no-build-isolation into $PY's torch), what it was
+#          built with, and the benchmark binaries (bench/build.sh)
+#   tests  every test marked `cuda` (pytest -m cuda, with --durations and a junit file)
+#   bench  the kernel microbenchmarks (bench/bin/*_cuda_bench)
+#   e2e    a one-rank NCCL training run (subnet-train) and bench/e2e.py --device cuda (2 rounds)
 #
-# Phase 1 runs every test marked `cuda` (tests/conftest.py, tests/gpu_marks.py; a CPU test
-# fails when a GPU-guarded test lacks the marker). The benchmarks are built in a step of
-# their own (bench/build.sh; the dry run compiles them too) and run only if it succeeded:
-# otherwise they are listed as skipped, with the reason.
+# Every step has its own time limit (GPU_LIMIT below: they add up to 480 s), so one slow
+# step cannot eat the others. A step's output goes to $WORK/<phase>/<step>.log as it runs.
+# What lands in $OUT fits the device tool's return limits (at most 8 files): summary.md,
+# rewritten after every step (commit, torch/CUDA/driver versions, per step its exit code,
+# verdict, seconds and a note), and one archive per phase, <phase>.tar.gz, rewritten after
+# each of its steps, so a call killed at its limit still brings back everything done so
+# far. A step's note is its last "[summary] ..." line, else its last line.
 #
-# Exit codes, of a step and of the script: 0 ok; 3 "below target" (a benchmark ran and
-# was correct but missed a speed target: reported, not a failure); anything else failed
+# Exit codes, of a step and of the script: 0 ok; 3 "below target" (a benchmark ran and was
+# correct but missed a speed target: reported, not a failure); anything else failed
 # (124/137: timed out). The script exits 1 when a step failed, else 3 when one was below
 # target, else 0; 2 for a bad command line.
 # GPU_CHECK_FAIL_STEP=<step>[:code][,<step>[:code]...] makes those steps exit with that
 # code (default 97) instead of running (tests the plumbing).
-# Commit the files under bench/results/h200/.
+# Commit what comes back under bench/results/h200/ (bench/README.md says how).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-usage="usage: bash bench/gpu_check.sh phase1|phase2 [--dry-run]"
-phase=${1:-}
+PHASES=(build tests bench e2e)
+# Seconds each step may take on the GPU machine (the sum is the 480 s budget of one call,
+# the build included) and in a dry run on 2 CPU cores (CI).
+declare -A GPU_LIMIT=([build]=150 [build-info]=15 [bench-build]=60 [tests-cuda]=110 [bench-masked-linear]=25
+                      [bench-pack-segments]=25 [train-nccl]=35 [e2e-gpu]=60)
+declare -A DRY_LIMIT=([build]=0 [build-info]=30 [bench-build]=400 [tests-cuda]=240 [bench-masked-linear]=10
+                      [bench-pack-segments]=10 [train-nccl]=120 [e2e-gpu]=120)
+usage="usage: bash bench/gpu_check.sh all|{build|tests|bench|e2e}... [--dry-run]"
 dry=0
-case ${2:-} in --dry-run) dry=1 ;; "") ;; *) echo "$usage (got ${2})" >&2; exit 2 ;; esac
-[[ $phase == phase1 || $phase == phase2 ]] || { echo "$usage (got '${phase}')" >&2; exit 2; }
+phases=()
+for arg in "$@"; do
+  case $arg in
+    --dry-run) dry=1 ;;
+    all) phases+=("${PHASES[@]}") ;;
+    build|tests|bench|e2e) phases+=("$arg") ;;
+    *) echo "$usage (got '$arg')" >&2; exit 2 ;;
+  esac
+done
+((${#phases[@]})) || { echo "$usage (no phase given)" >&2; exit 2; }
 OUT=${OUT:-bench/results/h200}
 PY=${PY:-python3}
+WORK=${GPU_CHECK_WORK:-${TMPDIR:-/tmp}/gpu_check_work}
 mkdir -p "$OUT"
+rm -rf "$WORK"
+mkdir -p "$WORK"
 export PYTHONUNBUFFERED=1
 SUMMARY=$OUT/summary.md
-cmdline="$phase$( ((dry)) && echo ' --dry-run')"
+cmdline="$*"
 rows=()
 failed=0
 below=0
+started=$SECONDS
+phase=""
+
+commit=${GPU_CHECK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo "unknown (no git here; pass GPU_CHECK_COMMIT)")}
+versions=$("$PY" -c "import torch; print(f'torch {torch.__version__}, CUDA {torch.version.cuda or \"none\"} (torch.version.cuda)')" 2>&1 | tail -n 1)
+if ((dry)); then
+  device="cpu (dry run)"
+  versions+=", driver none (dry run)"
+else
+  device=$(nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader 2>&1 | head -n 1)
+  versions+=", driver $(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>&1 | head -n 1)"
+fi
 
 write_summary() {
   {
-    echo "# GPU check $phase$( ((dry)) && echo ' (dry run, CPU)')"
+    echo "# GPU check: ${cmdline}$( ((dry)) && echo ' (dry run, CPU)')"
     echo
-    echo "Command: \`bash bench/gpu_check.sh $cmdline\`; $(date -u +%Y-%m-%dT%H:%MZ)."
+    echo "Command: \`bash bench/gpu_check.sh $cmdline\`; $(date -u +%Y-%m-%dT%H:%MZ); commit $commit."
     echo
-    echo "Versions: $versions; device: $device."
+    echo "Versions: $versions; device: $device; $((SECONDS - started)) s so far."
     echo
-    echo "| step | exit | result | seconds | notes |"
-    echo "|---|---:|---|---:|---|"
+    echo "| phase | step | exit | result | seconds | notes |"
+    echo "|---|---|---:|---|---:|---|"
     printf '%s\n' "${rows[@]}"
   } > "$SUMMARY.tmp" && mv "$SUMMARY.tmp" "$SUMMARY"
+}
+
+# The phase's logs, as one archive in $OUT (rewritten: it holds everything so far).
+archive() {
+  tar -czf "$OUT/$phase.tar.gz.tmp" -C "$WORK" "$phase" && mv "$OUT/$phase.tar.gz.tmp" "$OUT/$phase.tar.gz"
 }
 
 # The exit code GPU_CHECK_FAIL_STEP injects for step $1 (empty: run it).
@@ -68,13 +103,15 @@ injected() {
   done
 }
 
-# step NAME LIMIT_S CMD...: runs CMD under a time limit, its output teed into $OUT/NAME.log,
-# then adds its summary row and rewrites the summary. Sets step_rc.
+# step NAME CMD...: runs CMD under the step's time limit, its output teed into the phase's
+# NAME.log, then adds its summary row, rewrites the summary and the phase's archive. Sets step_rc.
 step() {
-  local name=$1 limit=$2
-  shift 2
-  local log=$OUT/$name.log start=$SECONDS rc note result code
-  echo "[gpu_check] $name (limit ${limit} s): $*"
+  local name=$1 limit
+  shift
+  if ((dry)); then limit=${DRY_LIMIT[$name]}; else limit=${GPU_LIMIT[$name]}; fi
+  local log=$WORK/$phase/$name.log start=$SECONDS rc note result code
+  mkdir -p "$WORK/$phase"
+  echo "[gpu_check] $phase/$name (limit ${limit} s): $*"
   { echo "# $name"; echo; echo "Command: \`$*\` (limit ${limit} s)"; echo; } > "$log"
   code=$(injected "$name")
   if [[ -n $code ]]; then
@@ -84,100 +121,97 @@ step() {
   rc=${PIPESTATUS[0]}
   note=$(grep -E '^\[summary\] ' "$log" | tail -n 1 | sed 's/^\[summary\] //')
   [[ -n $note ]] || note=$(grep -v '^\s*$' "$log" | tail -n 1)
-  note=$(printf '%s' "$note" | tr '|' '/' | cut -c1-160)
+  note=$(printf '%s' "$note" | tr '|' '/' | cut -c1-200)
   case $rc in
     0) result=ok ;;
     3) result="below target"; below=$((below + 1)) ;;
     124|137) result="timed out"; note="after ${limit} s; last: $note"; failed=$((failed + 1)) ;;
     *) result=failed; failed=$((failed + 1)) ;;
   esac
-  rows+=("| $name | $rc | $result | $((SECONDS - start)) | $note |")
+  rows+=("| $phase | $name | $rc | $result | $((SECONDS - start)) | $note |")
   step_rc=$rc
   write_summary
+  archive
 }
 
 # skip NAME WHY: a step this run leaves out, listed as such.
 skip() {
-  echo "[gpu_check] $1: skipped ($2)"
-  rows+=("| $1 | - | skipped | 0 | $2 |")
+  echo "[gpu_check] $phase/$1: skipped ($2)"
+  mkdir -p "$WORK/$phase"
+  echo "skipped: $2" > "$WORK/$phase/$1.log"
+  rows+=("| $phase | $1 | - | skipped | 0 | $2 |")
   write_summary
+  archive
 }
 
-versions=$("$PY" -c "import torch; print(f'torch {torch.__version__}, CUDA {torch.version.cuda or \"none\"} (torch.version.cuda)')" 2>&1 | tail -n 1)
-if ((dry)); then
-  device="cpu (dry run)"
-  versions+=", driver none (dry run)"
-else
-  device=$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>&1 | head -n 1)
-  versions+=", driver $(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>&1 | head -n 1)"
-fi
-# Whether the installed subnet_ext has CUDA kernels for sm_90 (a build to reuse).
-have_build="import subnet_ext._build_info as b, sys; sys.exit(0 if b.WITH_CUDA and '9.0' in b.CUDA_ARCHS else 1)"
-build=(env TORCH_CUDA_ARCH_LIST=9.0 SUBNET_EXT_CUDA=1 MAX_JOBS="${MAX_JOBS:-16}"
-       "$PY" -m pip install -q --no-build-isolation --no-deps -e .)
-info="import json, torch, subnet_ext._build_info as b
-print(json.dumps({k: getattr(b, k) for k in ('TORCH_VERSION', 'CUDA_VERSION', 'CUDA_ARCHS', 'WITH_CUDA')}))
+info="import json, torch, subnet_ext
+print(json.dumps(subnet_ext.build_info()))
 print('cuda visible:', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')"
 
-# bench_step NAME LIMIT BINARY: runs a benchmark binary if bench-build built it.
+phase_build() {
+  local pip=(env TORCH_CUDA_ARCH_LIST=9.0 SUBNET_EXT_CUDA=1 MAX_JOBS="${MAX_JOBS:-16}"
+             "$PY" -m pip install -q --no-build-isolation --no-deps -e .)
+  if ((dry)); then
+    skip build "dry run: reuses the installed package"
+    step build-info "$PY" -c "$info"
+  else
+    step build "${pip[@]}"  # again on a warm machine: ninja recompiles only what changed
+    step build-info "$PY" -c "$info; import sys; sys.exit(0 if subnet_ext.build_info()['cuda_kernels_registered'] and torch.cuda.is_available() else 1)"
+  fi
+  step bench-build env PY="$PY" bash bench/build.sh
+  bench_build_rc=$step_rc
+}
+
+phase_tests() {
+  local dir=$WORK/tests parallel=()
+  mkdir -p "$dir"
+  # pytest-xdist where installed (the GPU image has it): 4 workers share the GPU.
+  if "$PY" -c "import xdist" 2>/dev/null; then parallel=(-n 4); fi
+  local pytest=("$PY" -m pytest -q -m cuda -p no:cacheprovider "${parallel[@]}" --durations=30
+                --junitxml="$dir/junit.xml" tests)  # no -x: every failure is listed
+  # Every cuda-marked test is selected (on CPU they are skipped); the count is the note.
+  step tests-cuda "${pytest[@]}"
+}
+
+# bench_step NAME BINARY: runs a benchmark binary if bench-build built it.
 bench_step() {
-  local name=$1 limit=$2 binary=$3
-  if ((bench_build_rc != 0)); then
+  local name=$1 binary=$2
+  if ((${bench_build_rc:-0} != 0)); then
     skip "$name" "bench-build failed (exit $bench_build_rc): no benchmark binary to run"
   elif [[ ! -x $binary && -z $(injected "$name") ]]; then
-    skip "$name" "$binary was not built (this build of subnet_ext has no CUDA kernels?)"
+    skip "$name" "$binary was not built (no build phase run, or this build of subnet_ext has no CUDA kernels)"
   elif ((dry)); then
-    step "$name" 10 bash -c "echo '[summary] $binary built; not run (dry run: needs a GPU)'"
+    step "$name" bash -c "echo '[summary] $binary built; not run (dry run: needs a GPU)'"
   else
-    step "$name" "$limit" "$binary"
+    step "$name" "$binary"
   fi
 }
 
-phase1() {
-  local cuda_tests=(-m pytest -q -m cuda -p no:cacheprovider tests)
-  if ((dry)); then
-    skip build "dry run: reuses the installed package"
-    step build-info 30 "$PY" -c "$info"
-    # Every cuda-marked test is selected (on CPU they are skipped); the count is the note.
-    step tests-cuda 120 "$PY" "${cuda_tests[@]}"
-    step bench-build 400 env PY="$PY" bash bench/build.sh
-  else
-    # Limits: 180 + 15 + 130 + 90 + 30 + 30 = 475 s.
-    step build 180 "${build[@]}"
-    step build-info 15 "$PY" -c "$info; import sys; sys.exit(0 if b.WITH_CUDA and torch.cuda.is_available() else 1)"
-    step tests-cuda 130 "$PY" "${cuda_tests[@]}"  # no -x: every failure is listed
-    step bench-build 90 env PY="$PY" bash bench/build.sh
-  fi
-  bench_build_rc=$step_rc
-  bench_step bench-masked-linear 30 bench/bin/masked_linear_cuda_bench
-  bench_step bench-pack-segments 30 bench/bin/pack_segments_cuda_bench
+phase_bench() {
+  bench_step bench-masked-linear bench/bin/masked_linear_cuda_bench
+  bench_step bench-pack-segments bench/bin/pack_segments_cuda_bench
 }
 
-phase2() {
-  local dev=cuda backend=nccl steps=40 sim e2e dtype
-  sim=(--preset 1b --world-size 8 --rank 0 --coverage 0.25 --batch-size 4 --seq-len 1024 --steps 5)
-  e2e=(--models small --worlds 2 --coverages 0.5,1.0 --steps 3 --min-seconds 1 --methods ddp,sdp
-       --sdp-variants block-forward,neuron-forward --skip-overlap)
+phase_e2e() {
+  local dev=cuda backend=nccl steps=30 e2e run=$WORK/e2e/train
+  e2e=(--models small --worlds 2 --coverages 0.5 --rounds 2 --steps 3 --min-seconds 0.5 --methods ddp,sdp
+       --sdp-variants block-forward,neuron-forward,neuron-backward --skip-overlap --fail-on-error)
   if ((dry)); then
-    dev=cpu backend=gloo steps=3 dtype=fp32
-    sim=(--preset tiny --world-size 8 --rank 0 --coverage 0.25 --batch-size 2 --seq-len 16 --steps 1 --warmup 1)
-    e2e=(--models tiny --worlds 2 --coverages 0.5 --steps 1 --min-seconds 0 --warmup 1 --batch-size 2 --seq-len 16
-         --methods sdp --sdp-variants block-forward --skip-overlap)
-    skip build "dry run: reuses the installed package"
-  else
-    dtype=$("$PY" -c "import torch; print('bf16' if torch.cuda.is_bf16_supported() else 'fp32')" 2>/dev/null || echo fp32)
-    step build 170 bash -c "if $PY -c \"$have_build\"; then echo 'reusing the sm_90 build of phase1'; else $(printf '%q ' "${build[@]}"); fi"
+    dev=cpu backend=gloo steps=3
+    e2e=(--models tiny --worlds 2 --coverages 0.5 --rounds 1 --steps 1 --min-seconds 0 --warmup 1 --batch-size 2
+         --seq-len 16 --methods sdp --sdp-variants block-forward --skip-overlap --fail-on-error)
   fi
-  local run=${TMPDIR:-/tmp}/gpu_check_train
-  rm -rf "$run"
-  step train-nccl 70 "$PY" -m subnet_ext.cli.train --method sdp --model llama --preset tiny --data synthetic \
+  mkdir -p "$WORK/e2e"
+  step train-nccl "$PY" -m subnet_ext.cli.train --method sdp --model llama --preset tiny --data synthetic \
     --steps "$steps" --eval-every "$steps" --nproc 1 --device "$dev" --backend "$backend" --out "$run"
-  cp "$run/report.md" "$OUT/train-nccl-report.md" 2>/dev/null
-  step simulated-rank-1b 110 "$PY" bench/simulated_rank.py --device "$dev" --dtype "$dtype" "${sim[@]}"
-  step e2e-gpu 100 "$PY" bench/e2e.py --device "$dev" "${e2e[@]}" --out "$OUT/e2e-gpu.md"
+  cp "$run/report.md" "$WORK/e2e/train-nccl-report.md" 2>/dev/null
+  rm -rf "$run"  # checkpoints: not worth bringing back
+  step e2e-gpu "$PY" bench/e2e.py --device "$dev" "${e2e[@]}" --out "$WORK/e2e/e2e-gpu.md"
 }
 
-"$phase"
+for phase in "${phases[@]}"; do
+  "phase_$phase"
+done
 echo
 cat "$SUMMARY"
 ((failed == 0)) || { echo "[gpu_check] $failed step(s) failed" >&2; exit 1; }

@@ -11,10 +11,15 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def cuda_ready() -> bool:
-    """A GPU is visible and this build registered CUDA kernels."""
-    return torch.cuda.is_available() and torch._C._dispatch_has_kernel_for_dispatch_key(
-        "subnet_ext::masked_linear", "CUDA"
-    )
+    """A GPU is visible and this build registered CUDA kernels.
+
+    The compiled library is loaded first: importing subnet_ext does not load it, and the
+    dispatcher knows the ops only once it is (asking before raises "operator
+    subnet_ext::masked_linear does not exist", which on a GPU machine broke collection).
+    """
+    from .ops.build_info import build_info
+
+    return torch.cuda.is_available() and build_info()["cuda_kernels_registered"]
 
 
 DEVICES = ["cpu"] + (["cuda"] if cuda_ready() else [])

@@ -29,7 +29,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     stats = terminalreporter.stats
     counts = {k: len([r for r in stats.get(k, []) if getattr(r, "when", "call") in ("call", "setup")])
               for k in ("passed", "failed", "skipped", "error")}
-    selected = terminalreporter._numcollected - len(stats.get("deselected", []))
+    # Counted from the outcomes, which pytest-xdist's controller also has (not its collection).
+    selected = counts["passed"] + counts["failed"] + counts["skipped"] + counts["error"]
     terminalreporter.write_line(
         f"[summary] cuda-marked tests: {selected} selected, {counts['passed']} passed, {counts['failed']} failed, "
         f"{counts['skipped']} skipped, {counts['error']} errors")

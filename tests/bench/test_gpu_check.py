@@ -1,96 +1,138 @@
-"""bench/gpu_check.sh's plumbing, on CPU (--dry-run): one summary row per step with its exit
-code and result, written after every step; the versions in the summary; an injected
-failure (GPU_CHECK_FAIL_STEP) makes the script exit 1 while later steps still run and are
-listed; a failed benchmark build skips the benchmarks with a note; a benchmark that ran
-below its speed target (exit 3) is reported as such, not as a failure (script exit 3).
-The phase-1 dry run really compiles the benchmark binaries (bench/build.sh). Also: `-m
-cuda` selects the device='cuda' variants of parametrised tests (tests/conftest.py).
+"""bench/gpu_check.sh's plumbing, on CPU (--dry-run): one summary row per step with its phase,
+exit code and result, written after every step; the commit and versions in the summary;
+what comes back fits the device tool's limits (the summary and one archive per phase,
+holding each step's log, pytest's junit file and durations, the e2e report); the limits
+of a real run add up to the 480 s budget; an injected failure (GPU_CHECK_FAIL_STEP) makes
+the script exit 1 while later steps still run and are listed; a failed benchmark build
+skips the benchmarks with a note; a benchmark that ran below its speed target (exit 3) is
+reported as such, not as a failure (script exit 3). The dry run really compiles the
+benchmark binaries (bench/build.sh). Also: `-m cuda` selects the device='cuda' variants
+of parametrised tests (tests/conftest.py).
 """
 import os
 import re
 import subprocess
 import sys
+import tarfile
+import time
 from pathlib import Path
+
+import pytest
 
 
 pytest_plugins = ["pytester"]  # for the marker test
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = {"phase1": ["build", "build-info", "tests-cuda", "bench-build", "bench-masked-linear", "bench-pack-segments"],
-         "phase2": ["build", "train-nccl", "simulated-rank-1b", "e2e-gpu"]}
+STEPS = [("build", "build"), ("build", "build-info"), ("build", "bench-build"), ("tests", "tests-cuda"),
+         ("bench", "bench-masked-linear"), ("bench", "bench-pack-segments"), ("e2e", "train-nccl"),
+         ("e2e", "e2e-gpu")]
 BENCHES = ("bench-masked-linear", "bench-pack-segments")
+RETURN_LIMIT_FILES = 8  # what the device tool brings back from $OUT
 
 
-def run_check(phase: str, out: Path, inject: str | None = None, timeout: float = 300) -> tuple[int, dict, str]:
-    """Runs the dry run; returns (exit code, {step: (exit, result, notes)} from summary.md, output)."""
-    env = dict(os.environ, OUT=str(out), PY=sys.executable, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+def run_check(out: Path, *args: str, inject: str | None = None, timeout: float = 900):
+    """Runs the dry run; returns (exit code, {step: (phase, exit, result, notes)} from summary.md, output)."""
+    env = dict(os.environ, OUT=str(out), PY=sys.executable, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
+               GPU_CHECK_WORK=str(out.parent / f"{out.name}-work"))
     env.pop("GPU_CHECK_FAIL_STEP", None)
     if inject:
         env["GPU_CHECK_FAIL_STEP"] = inject
-    proc = subprocess.run(["bash", "bench/gpu_check.sh", phase, "--dry-run"], cwd=ROOT, env=env,
+    proc = subprocess.run(["bash", "bench/gpu_check.sh", *args, "--dry-run"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
     rows = {}
     for line in (out / "summary.md").read_text().splitlines():
-        m = re.match(r"\| ([\w-]+) \| (-|\d+) \| ([\w ]+) \| (\d+) \| (.*) \|$", line)
+        m = re.match(r"\| (\w+) \| ([\w-]+) \| (-|\d+) \| ([\w ]+) \| (\d+) \| (.*) \|$", line)
         if m:
-            rows[m.group(1)] = (m.group(2), m.group(3), m.group(5))
+            rows[m.group(2)] = (m.group(1), m.group(3), m.group(4), m.group(6))
     return proc.returncode, rows, proc.stdout + proc.stderr
 
 
-def test_phase1_dry_run_runs_the_cuda_tests_and_compiles_the_benchmarks(tmp_path):
-    code, rows, output = run_check("phase1", tmp_path, timeout=900)
-    assert list(rows) == STEPS["phase1"], rows  # one row per step, in order
-    assert rows["build"][:2] == ("-", "skipped") and "dry run" in rows["build"][2]
+def members(archive: Path) -> dict[str, str]:
+    """{member name: text} of a phase archive."""
+    with tarfile.open(archive) as tar:
+        return {m.name: tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()}
+
+
+@pytest.fixture(scope="module")
+def dry_run_all(tmp_path_factory):
+    """`all --dry-run`, once: every phase's plumbing on the CPU (the benchmarks really compiled)."""
+    out = tmp_path_factory.mktemp("gpu_check") / "out"
+    started = time.monotonic()
+    code, rows, output = run_check(out, "all")
+    return code, rows, output, out, time.monotonic() - started
+
+
+def test_all_dry_run_runs_every_phase_within_its_limits(dry_run_all):
+    code, rows, output, out, seconds = dry_run_all
+    assert code == 0, output
+    assert [(phase, step) for step, (phase, *_) in rows.items()] == STEPS, rows  # one row per step, in order
+    assert rows["build"][1:3] == ("-", "skipped") and "dry run" in rows["build"][3]
+    assert all(rows[step][1:3] == ("0", "ok") for _, step in STEPS[1:]), rows
     # Every cuda-marked test was selected (skipped on CPU); the note counts them.
-    m = re.search(r"cuda-marked tests: (\d+) selected, 0 passed, 0 failed, (\d+) skipped", rows["tests-cuda"][2])
-    assert rows["tests-cuda"][:2] == ("0", "ok") and m and int(m.group(1)) == int(m.group(2)) > 30, rows
-    assert rows["bench-build"][:2] == ("0", "ok"), (rows["bench-build"], (tmp_path / "bench-build.log").read_text())
+    m = re.search(r"cuda-marked tests: (\d+) selected, 0 passed, 0 failed, (\d+) skipped", rows["tests-cuda"][3])
+    assert m and int(m.group(1)) == int(m.group(2)) > 30, rows["tests-cuda"]
     for name in BENCHES:
-        assert rows[name][:2] == ("0", "ok") and "built; not run (dry run" in rows[name][2], rows[name]
-    summary = (tmp_path / "summary.md").read_text()
+        assert "built; not run (dry run" in rows[name][3], rows[name]
+    summary = (out / "summary.md").read_text()
     import torch
 
     assert f"torch {torch.__version__}, CUDA {torch.version.cuda or 'none'}" in summary and "driver" in summary
-    assert code == 0, output
-    assert len(list(tmp_path.iterdir())) <= 8  # what the device tool brings back
+    assert "commit " in summary
+    # What comes back: the summary and one archive per phase, no folders.
+    assert sorted(p.name for p in out.iterdir()) == ["bench.tar.gz", "build.tar.gz", "e2e.tar.gz", "summary.md",
+                                                      "tests.tar.gz"]
+    assert len(list(out.iterdir())) <= RETURN_LIMIT_FILES
+    tests = members(out / "tests.tar.gz")
+    assert "tests/junit.xml" in tests and "<testsuite" in tests["tests/junit.xml"]
+    assert "slowest" in tests["tests/tests-cuda.log"]  # --durations
+    e2e = members(out / "e2e.tar.gz")
+    assert "sdp-block-forward" in e2e["e2e/train-nccl-report.md"]  # the training report came back
+    assert "sdp-block-forward" in e2e["e2e/e2e-gpu.md"]  # the e2e table was written
+    assert "1 round" in e2e["e2e/e2e-gpu.md"] or "1 interleaved round" in e2e["e2e/e2e-gpu.md"]
+    assert seconds < 600, seconds
 
 
-def test_phase1_failed_steps_are_listed_and_a_failed_bench_build_skips_the_benchmarks(tmp_path):
-    code, rows, output = run_check("phase1", tmp_path, inject="build-info,bench-build")
+def limits(table: str) -> dict[str, int]:
+    """The script's GPU_LIMIT or DRY_LIMIT table: {step: seconds}."""
+    text = (ROOT / "bench" / "gpu_check.sh").read_text()
+    body = re.search(rf"declare -A {table}=\((.*?)\)\n", text, re.DOTALL).group(1)
+    return {k: int(v) for k, v in re.findall(r"\[([\w-]+)\]=(\d+)", body)}
+
+
+def test_gpu_limits_add_up_to_the_device_budget():
+    """Every step has a limit on the GPU and in the dry run; on the GPU they add up to at most
+    480 s (one device call, the build included); the e2e runs at most 2 rounds there."""
+    gpu = limits("GPU_LIMIT")
+    assert set(gpu) == set(limits("DRY_LIMIT")) == {step for _, step in STEPS}, gpu
+    assert sum(gpu.values()) <= 480 and min(gpu.values()) > 0, gpu
+    e2e = (ROOT / "bench" / "gpu_check.sh").read_text().split("phase_e2e()")[1]
+    assert re.search(r"--rounds [12] ", e2e.split("if ((dry))")[0]), "e2e on the GPU: at most 2 rounds"
+
+
+def test_failed_steps_are_listed_and_a_failed_bench_build_skips_the_benchmarks(tmp_path):
+    code, rows, output = run_check(tmp_path / "out", "build", "bench", inject="build-info,bench-build")
     assert code == 1, output
-    assert list(rows) == STEPS["phase1"], rows
-    assert rows["build-info"][:2] == ("97", "failed") and "GPU_CHECK_FAIL_STEP" in rows["build-info"][2]
-    assert "exiting 97 on purpose" in (tmp_path / "build-info.log").read_text()  # each step's own log
-    assert rows["tests-cuda"][:2] == ("0", "ok"), rows  # a later step still ran
-    assert rows["bench-build"][:2] == ("97", "failed")
+    assert list(rows) == ["build", "build-info", "bench-build", *BENCHES], rows
+    assert rows["build-info"][1:3] == ("97", "failed") and "GPU_CHECK_FAIL_STEP" in rows["build-info"][3]
+    assert "exiting 97 on purpose" in members(tmp_path / "out" / "build.tar.gz")["build/build-info.log"]
+    assert rows["bench-build"][1:3] == ("97", "failed")  # a later step still ran
     for name in BENCHES:
-        assert rows[name][:2] == ("-", "skipped") and "bench-build failed (exit 97)" in rows[name][2], rows[name]
-        assert not (tmp_path / f"{name}.log").exists()  # not run: no "No such file" from a missing binary
+        assert rows[name][1:3] == ("-", "skipped") and "bench-build failed (exit 97)" in rows[name][3], rows[name]
 
 
 def test_a_benchmark_below_its_target_is_not_a_failure(tmp_path):
-    code, rows, output = run_check("phase1", tmp_path,
-                                   inject="bench-build:0,bench-masked-linear:3,bench-pack-segments:0")
-    assert rows["bench-masked-linear"][:2] == ("3", "below target"), rows
-    assert rows["bench-pack-segments"][:2] == ("0", "ok"), rows
+    code, rows, output = run_check(tmp_path / "out", "build", "bench",
+                                   inject="build-info:0,bench-build:0,bench-masked-linear:3,bench-pack-segments:0")
+    assert rows["bench-masked-linear"][1:3] == ("3", "below target"), rows
+    assert rows["bench-pack-segments"][1:3] == ("0", "ok"), rows
     assert code == 3 and "below their speed target" in output, output
 
 
-def test_phase2_dry_run(tmp_path):
-    code, rows, output = run_check("phase2", tmp_path)
-    assert code == 0, output
-    assert list(rows) == STEPS["phase2"], rows
-    assert rows["build"][:2] == ("-", "skipped") and "dry run" in rows["build"][2]
-    assert all(rows[name][:2] == ("0", "ok") for name in STEPS["phase2"][1:]), rows
-    assert "| sdp-block-forward" in (tmp_path / "train-nccl-report.md").read_text()  # the training report came back
-    assert "sdp-block-forward" in (tmp_path / "e2e-gpu.md").read_text()  # the e2e table was written
-    assert len(list(tmp_path.iterdir())) <= 8  # what the device tool brings back
-
-
-def test_bad_phase_is_refused(tmp_path):
-    proc = subprocess.run(["bash", "bench/gpu_check.sh", "phase3"], cwd=ROOT, env=dict(os.environ, OUT=str(tmp_path)),
+@pytest.mark.parametrize("args", [["phase3"], [], ["all", "--fast"]])
+def test_bad_command_line_is_refused(tmp_path, args):
+    proc = subprocess.run(["bash", "bench/gpu_check.sh", *args], cwd=ROOT, env=dict(os.environ, OUT=str(tmp_path)),
                           capture_output=True, text=True, timeout=30)
-    assert proc.returncode == 2 and "phase1|phase2" in proc.stderr and "phase3" in proc.stderr
+    assert proc.returncode == 2 and "all|{build|tests|bench|e2e}" in proc.stderr, proc.stderr
 
 
 def test_cuda_marker_selects_cuda_variants(pytester):

@@ -38,6 +38,15 @@ inline const auto& backward_op() {
   return op;
 }
 
+// subnet_ext::masked_linear_grad_runs_: the owned weight / bias gradient on runs (no gather).
+inline const auto& grad_runs_op() {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("subnet_ext::masked_linear_grad_runs_", "")
+                       .typed<void(const OptTensor&, const OptTensor&, const at::Tensor&, const at::Tensor&,
+                                   c10::IntArrayRef, c10::IntArrayRef, bool)>();
+  return op;
+}
+
 // Dense forward + backward of the full layer (the ideal's yardstick): y, grad_x, grad_W, grad_b.
 inline std::array<at::Tensor, 4> dense_forward_backward(const at::Tensor& x, const at::Tensor& w,
                                                         const at::Tensor& b, const at::Tensor& grad_y) {

@@ -27,10 +27,12 @@ using at::Tensor;
 
 // Pack copies bits: the packed buffer must equal the slices exactly.
 constexpr double kMaxAbsErr = 0.0;
+// Speed target: pack + unpack at least this fraction of copy_'s bandwidth on the same bytes.
+constexpr double kTargetOfCopy = 0.85;
 
-// Times one dtype and prints its row; returns whether the bandwidth target is met and
+// Times one dtype and prints its row; returns its speed as a fraction of copy_'s and
 // clears `accurate` on a wrong result.
-static bool run_dtype(const bench::Options& opts, at::ScalarType dtype, const char* name, bool& accurate) {
+static double run_dtype(const bench::Options& opts, at::ScalarType dtype, const char* name, bool& accurate) {
   const int64_t total_bytes = opts.quick ? int64_t(1) << 20 : int64_t(1) << 30;
   const int64_t elem = c10::elementSize(dtype);
   const int64_t total = total_bytes / 4;  // elements: 1 GiB of fp32, 512 MiB of bf16
@@ -81,7 +83,7 @@ static bool run_dtype(const bench::Options& opts, at::ScalarType dtype, const ch
   std::printf("| %s | %d | %.1f | %.1f | %.3f | %.1f | %.3f | %.3f | %.1f | %.1f%% | %.3f | %.2fx | %.1e |\n", name, n,
               double(total * elem) / (1 << 20), double(owned * elem) / (1 << 20), ours, bytes / ours / 1e6,
               unprepared, copy, bytes / copy / 1e6, 100.0 * copy / ours, composed, composed / ours, err);
-  return copy / ours >= 0.75;
+  return copy / ours;
 }
 
 static bench::Outcome run(const bench::Options& opts) {
@@ -91,14 +93,17 @@ static bench::Outcome run(const bench::Options& opts) {
               "| %% of copy_ | composed ms | speedup vs composed | max abs err |\n");
   std::printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   bench::Outcome outcome;
-  const bool fp32 = run_dtype(opts, at::kFloat, "fp32", outcome.accurate);
-  const bool bf16 = run_dtype(opts, at::kBFloat16, "bf16", outcome.accurate);
-  outcome.targets_met = fp32 && bf16;
-  std::printf("\nTargets (GPU, prepared path):\n- fp32 pack + unpack >= 75%% of copy_ bandwidth: %s\n- bf16: %s\n",
-              bench::verdict(fp32), bench::verdict(bf16));
+  const double fp32 = run_dtype(opts, at::kFloat, "fp32", outcome.accurate);
+  const double bf16 = run_dtype(opts, at::kBFloat16, "bf16", outcome.accurate);
+  outcome.targets_met = fp32 >= kTargetOfCopy && bf16 >= kTargetOfCopy;
+  std::printf("\nTargets (GPU, prepared path):\n- fp32 pack + unpack >= %.0f%% of copy_ bandwidth: %s (%.1f%%)\n"
+              "- bf16: %s (%.1f%%)\n", 100 * kTargetOfCopy, bench::verdict(fp32 >= kTargetOfCopy), 100 * fp32,
+              bench::verdict(bf16 >= kTargetOfCopy), 100 * bf16);
   std::printf("\n(Medians of %d interleaved rounds of CUDA-event times after %d warm-ups. \"ours\": tables prepared "
               "once, as the engine runs; \"unprepared\": validation and table upload in every call.)\n", opts.rounds,
               opts.warmup);
+  std::printf("[summary] pack + unpack: fp32 %.1f%%, bf16 %.1f%% of copy_ (target %.0f%%)\n", 100 * fp32,
+              100 * bf16, 100 * kTargetOfCopy);
   return outcome;
 }
 

@@ -11,6 +11,8 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <utility>
+#include <vector>
 
 #include "index_checks.h"
 #include "ops.h"
@@ -263,6 +265,102 @@ void masked_linear_grad_weight_impl(const at::Tensor& out, const at::Tensor& gra
     out.addmm_(g_kept.t(), xs);
   } else {
     at::mm_out(const_cast<at::Tensor&>(out), g_kept.t(), xs);
+  }
+}
+
+namespace {
+
+// [(start, length)] of a flat [start0, length0, ...] list over a dimension of `width`
+// (empty: the whole dimension). Runs must be non-empty, in range and disjoint.
+std::vector<std::pair<int64_t, int64_t>> checked_runs(const char* op, const char* name, c10::IntArrayRef flat,
+                                                      int64_t width) {
+  if (flat.empty()) return {{0, width}};
+  TORCH_CHECK_VALUE(flat.size() % 2 == 0, op, ": ", name, " must list [start, length] pairs, got ", flat.size(),
+                    " values");
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  for (size_t i = 0; i < flat.size(); i += 2) {
+    const int64_t start = flat[i], length = flat[i + 1];
+    TORCH_CHECK_VALUE(length >= 1 && start >= 0 && start <= width - length, op, ": ", name, " run ", i / 2,
+                      " = [", start, ", ", start + length, ") must be non-empty and lie in [0, ", width, ")");
+    runs.emplace_back(start, length);
+  }
+  std::vector<std::pair<int64_t, int64_t>> sorted = runs;
+  std::sort(sorted.begin(), sorted.end());
+  for (size_t i = 1; i < sorted.size(); ++i) {
+    TORCH_CHECK_VALUE(sorted[i - 1].first + sorted[i - 1].second <= sorted[i].first, op, ": ", name, " runs [",
+                      sorted[i - 1].first, ", ", sorted[i - 1].first + sorted[i - 1].second, ") and [",
+                      sorted[i].first, ", ", sorted[i].first + sorted[i].second, ") overlap");
+  }
+  return runs;
+}
+
+int64_t total_length(const std::vector<std::pair<int64_t, int64_t>>& runs) {
+  int64_t n = 0;
+  for (const auto& r : runs) n += r.second;
+  return n;
+}
+
+}  // namespace
+
+void masked_linear_grad_runs_impl(const OptTensor& weight_out, const OptTensor& bias_out, const at::Tensor& grad_out,
+                                  const at::Tensor& x, c10::IntArrayRef out_runs, c10::IntArrayRef in_runs,
+                                  bool accumulate, const IndexKernels& k) {
+  const char* op = "subnet_ext.masked_linear_grad_runs_";
+  TORCH_CHECK_VALUE(x.dim() >= 1 && grad_out.dim() == x.dim(), op, ": grad_out has shape ", grad_out.sizes(),
+                    " but x has shape ", x.sizes());
+  TORCH_CHECK_VALUE(grad_out.scalar_type() == x.scalar_type() && grad_out.device() == x.device(), op,
+                    ": grad_out is ", grad_out.scalar_type(), " on ", grad_out.device(), " but x is ",
+                    x.scalar_type(), " on ", x.device());
+  const bool half = x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16;
+  for (const OptTensor* t : {&weight_out, &bias_out}) {
+    if (!t->has_value()) continue;
+    const at::ScalarType dtype = (*t)->scalar_type();
+    TORCH_CHECK_VALUE(dtype == x.scalar_type() || (half && dtype == at::kFloat), op, ": ",
+                      t == &weight_out ? "weight_out" : "bias_out", " is ", dtype, " but the operands are ",
+                      x.scalar_type(), " (it must be their dtype, or float32 when they are float16/bfloat16)");
+    TORCH_CHECK_VALUE((*t)->device() == x.device(), op, ": ", t == &weight_out ? "weight_out" : "bias_out",
+                      " is on ", (*t)->device(), " but x is on ", x.device());
+  }
+  const int64_t g_width = grad_out.size(-1), x_width = x.size(-1);
+  const auto rows = checked_runs(op, "out_runs", out_runs, g_width);
+  const auto cols = checked_runs(op, "in_runs", in_runs, x_width);
+  const int64_t kept_out = total_length(rows), kept_in = total_length(cols);
+  if (weight_out.has_value()) {
+    TORCH_CHECK_VALUE(weight_out->dim() == 2 && weight_out->size(0) == kept_out && weight_out->size(1) == kept_in,
+                      op, ": weight_out must have shape [", kept_out, ", ", kept_in, "], got ", weight_out->sizes());
+  }
+  if (bias_out.has_value()) {
+    TORCH_CHECK_VALUE(bias_out->dim() == 1 && bias_out->size(0) == kept_out, op, ": bias_out must have shape [",
+                      kept_out, "], got ", bias_out->sizes());
+  }
+  const at::Tensor g2 = as_rows(grad_out, g_width);
+  const at::Tensor x2 = as_rows(x, x_width);
+  TORCH_CHECK_VALUE(g2.size(0) == x2.size(0), op, ": grad_out has ", g2.size(0), " rows but x has ", x2.size(0));
+  int64_t row = 0;
+  for (const auto& [r_start, r_len] : rows) {
+    // [r_len, N] with strides (1, g_width): column-major for the GEMM, no copy.
+    const at::Tensor g_run = g2.narrow(1, r_start, r_len);
+    if (weight_out.has_value()) {
+      int64_t col = 0;
+      for (const auto& [c_start, c_len] : cols) {
+        at::Tensor block = weight_out->narrow(0, row, r_len).narrow(1, col, c_len);
+        const at::Tensor x_run = x2.narrow(1, c_start, c_len);  // [N, c_len], row stride x_width
+        if (weight_out->scalar_type() != x.scalar_type()) {
+          k.gemm_float_out(block, g_run.t(), x_run, accumulate);
+        } else if (accumulate) {
+          block.addmm_(g_run.t(), x_run);
+        } else {
+          at::mm_out(block, g_run.t(), x_run);
+        }
+        col += c_len;
+      }
+    }
+    if (bias_out.has_value()) {
+      at::Tensor bias = bias_out->narrow(0, row, r_len);
+      const at::Tensor sums = at::sum(g_run, {0}, false, bias.scalar_type());
+      accumulate ? bias.add_(sums) : bias.copy_(sums);
+    }
+    row += r_len;
   }
 }
 

@@ -1,4 +1,4 @@
-// Registration of the four masked linear ops for one dispatch key. A device file defines
+// Registration of the five masked linear ops for one dispatch key. A device file defines
 // its IndexKernels table (gather, scatter_columns, gemm_float_out) and calls
 //   SUBNET_EXT_REGISTER_MASKED_LINEAR(CPU, kCpuKernels)
 // once; the op bodies (validation, shapes, GEMMs) are the device-independent ones in
@@ -43,7 +43,13 @@ struct MaskedLinearOps {
                                    kKernels);
   }
 
+  static void grad_runs(const OptTensor& weight_out, const OptTensor& bias_out, const at::Tensor& grad_out,
+                        const at::Tensor& x, c10::IntArrayRef out_runs, c10::IntArrayRef in_runs, bool accumulate) {
+    masked_linear_grad_runs_impl(weight_out, bias_out, grad_out, x, out_runs, in_runs, accumulate, kKernels);
+  }
+
   static void register_all(torch::Library& m) {
+    m.impl("masked_linear_grad_runs_", &grad_runs);
     m.impl("masked_linear", &masked_linear);
     m.impl("masked_linear_forward", &forward);
     m.impl("masked_linear_backward", &backward);

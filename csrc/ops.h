@@ -66,6 +66,26 @@ void masked_linear_grad_weight_impl(const at::Tensor& out, const at::Tensor& gra
                                     const OptTensor& out_idx, const OptTensor& in_idx, bool grad_out_full,
                                     bool accumulate, bool check_indices, const IndexKernels& kernels);
 
+// The weight (and bias) gradient of the owned block when the kept indices are unions of
+// contiguous runs (the engine's: a rank owns runs of neurons, heads, channels): no gather,
+// one GEMM per pair of runs on strided views of grad_out and x (cuBLAS on CUDA, reading
+// them through their leading dimension). out_runs / in_runs: flat host lists
+// [start0, length0, start1, length1, ...] over grad_out's and x's last dimension, in the
+// order of the block's rows / columns; empty: every column. weight_out [sum out lengths,
+// sum in lengths] and bias_out [sum out lengths] are written (or added to, accumulate),
+// either may be absent. Their dtype is the operands' or float32 for fp16/bf16 operands
+// (products and sums in fp32, as masked_linear_grad_weight_). No device sync.
+void masked_linear_grad_runs_impl(const OptTensor& weight_out, const OptTensor& bias_out, const at::Tensor& grad_out,
+                                  const at::Tensor& x, c10::IntArrayRef out_runs, c10::IntArrayRef in_runs,
+                                  bool accumulate, const IndexKernels& kernels);
+
+// Largest number of blocks the CUDA index kernels launch along one grid dimension (the
+// hardware's y limit, 65535, unless lowered). Their loops stride over the grid, so any
+// limit >= 1 computes the same result; tests lower it so that small inputs take several
+// passes (subnet_ext.testing.max_grid_blocks). Returns the previous limit.
+int64_t max_grid_blocks();
+int64_t set_max_grid_blocks(int64_t blocks);
+
 // Validated segment table of pack_segments / unpack_average_ (host side). With scales
 // (unpack), also checks that no two rectangles share memory and none aliases the buffer.
 // Every call counts one build (segment_table_builds).

@@ -26,6 +26,10 @@ TORCH_LIBRARY(subnet_ext, m) {
   m.def(
       "masked_linear_grad_weight_(Tensor(a!) out, Tensor grad_out, Tensor x, Tensor? out_idx, Tensor? in_idx, "
       "bool grad_out_full, bool accumulate, bool check_indices=True) -> ()");
+  // The owned weight / bias gradient for indices that are contiguous runs (ops.h): no gather.
+  m.def(
+      "masked_linear_grad_runs_(Tensor(a!)? weight_out, Tensor(b!)? bias_out, Tensor grad_out, Tensor x, "
+      "int[] out_runs, int[] in_runs, bool accumulate) -> ()");
   m.def("pack_segments(Tensor[] tensors, Tensor segments, Tensor(a!) buffer) -> ()");
   m.def("unpack_average_(Tensor(a!)[] tensors, Tensor segments, Tensor buffer, Tensor scales) -> ()");
   // A segment table validated once for these tensors and this buffer (and, with scales, for
@@ -40,4 +44,6 @@ TORCH_LIBRARY(subnet_ext, m) {
       "-> ()");
   // Segment tables validated so far in this process (tests: the prepared path validates none).
   m.def("segment_table_builds() -> int", &subnet_ext::segment_table_builds);
+  // Tests: lower the CUDA index kernels' grid limit (ops.h); returns the previous one.
+  m.def("_set_max_grid_blocks(int blocks) -> int", &subnet_ext::set_max_grid_blocks);
 }

@@ -38,6 +38,7 @@ __all__ = [
     "masked_linear",
     "masked_linear_backward",
     "masked_linear_grad_weight_",
+    "masked_linear_grad_runs_",
     "pack_segments",
     "segment_table",
     "unpack_average_",
@@ -47,8 +48,8 @@ __all__ = [
 
 # The op functions are those of `subnet_ext.ops`, looked up there on first use: importing
 # the package loads no compiled code until an op runs (`subnet_ext.ops.reference` needs none).
-_OPS = ("masked_linear", "masked_linear_backward", "masked_linear_grad_weight_", "pack_segments", "segment_table",
-        "unpack_average_")
+_OPS = ("masked_linear", "masked_linear_backward", "masked_linear_grad_weight_", "masked_linear_grad_runs_",
+        "pack_segments", "segment_table", "unpack_average_")
 
 
 def __getattr__(name: str):

@@ -4,6 +4,8 @@ CUDA variants appear only where a GPU is visible and the CUDA kernels were built
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -23,6 +25,21 @@ def cuda_ready() -> bool:
 
 
 DEVICES = ["cpu"] + (["cuda"] if cuda_ready() else [])
+
+
+@contextlib.contextmanager
+def max_grid_blocks(blocks: int):
+    """Within the block, the CUDA index kernels launch at most `blocks` blocks per grid
+    dimension (65535 otherwise), so that their grid-stride loops make several passes even
+    on small inputs. Results must not change: any grid computes the same thing."""
+    from .ops.build_info import load_library
+
+    load_library()
+    previous = torch.ops.subnet_ext._set_max_grid_blocks(blocks)
+    try:
+        yield
+    finally:
+        torch.ops.subnet_ext._set_max_grid_blocks(previous)
 
 
 def assert_close_to_reference(out: torch.Tensor, exact: torch.Tensor, torch_at_dtype: torch.Tensor, name: str = ""):

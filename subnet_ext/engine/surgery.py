@@ -137,23 +137,23 @@ class DirectGradient:
     def __init__(self, param: nn.Parameter, view: torch.Tensor, piece: Piece, ready):
         self.param, self.view, self.piece, self.ready = param, view.view(param.shape), piece, ready
 
-    def write(self, g2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, rows, cols,
-              last_use: bool = True) -> None:
+    def write(self, g2: torch.Tensor, x2: torch.Tensor, out_runs, in_runs, last_use: bool = True) -> None:
         """Add one use's weight gradient into the bucket view, by the masked linear's gradient
-        formula (`ops.masked_linear_backward` with `grad_weight_out`); readiness is reported
-        only after the last use of this forward (weight sharing).
+        formula on runs (`ops.masked_linear_grad_runs_`: strided views into the GEMM, no
+        gather, no host sync); readiness is reported only after the last use of this
+        forward (weight sharing).
 
-        g2 [N, out] and x2 [N, in] are the layer's output gradient and input, weight its full
-        [out, in] weight; rows / cols the run's indices (the other None). Under autocast g2
-        and x2 are fp16/bf16 and the bucket fp32: the formula multiplies them with fp32
+        g2 [N, out] and x2 [N, in] are the layer's output gradient and input; out_runs /
+        in_runs the run's [(start, length)] (the other empty: every column). Under autocast
+        g2 and x2 are fp16/bf16 and the bucket fp32: the formula multiplies them with fp32
         output and accumulation, with no fp32 copy of g2 or x2."""
         grad = self.param.grad
         if grad is not None and grad.data_ptr() != self.view.data_ptr():
             self.view.copy_(grad)  # a gradient put there by someone else: keep accumulating onto it
-        # The indices come from the plan (distinct, in range, on the device): no re-validation,
-        # which on CUDA would copy them to the host and synchronise at every layer.
-        ops.masked_linear_backward(g2, x2, weight, rows, cols, grad_out_full=True, output_mask=(False, True, False),
-                                   check_indices=False, grad_weight_out=self.view, accumulate=grad is not None)
+        mixed = x2.dtype in (torch.float16, torch.bfloat16) and self.view.dtype == torch.float32
+        if x2.dtype != self.view.dtype and not mixed:  # any other pairing: the bucket's dtype
+            g2, x2 = g2.to(self.view.dtype), x2.to(self.view.dtype)
+        ops.masked_linear_grad_runs_(self.view, None, g2, x2, out_runs, in_runs, accumulate=grad is not None)
         self.param.grad = self.view
         if last_use:
             self.ready(self.piece)
@@ -194,70 +194,72 @@ def _use_count(module) -> _UseCount | None:
 
 class _OwnedLinearFunction(torch.autograd.Function):
     """y = x W^T + b with the full W; backward gives dense grad_x but the weight (and
-    bias) gradient only for the owned rows or columns. Every gradient comes from the
-    masked linear's one formula, `ops.masked_linear_backward` (the op's registered
-    backward); this Function only decides where each goes.
+    bias) gradient only for the owned runs of rows or columns. Every gradient comes from
+    the masked linear's formulas: the dense grad_x from `ops.masked_linear_backward`, the
+    owned runs' weight and bias gradients from `ops.masked_linear_grad_runs_` (strided
+    views into the GEMM: the owned indices are runs, so nothing is gathered); this
+    Function only decides where each goes.
 
+    `runs` [(start, length)] along `dim` (0: rows, 1: columns), in the order of `views`;
     `direct[i]` (a DirectGradient or None) sends run i's weight gradient straight into
     its communication bucket instead of returning it to autograd."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, dim, idx, splits, direct, n_weight_views, use_count, *views):
+    def forward(ctx, x, weight, bias, dim, runs, direct, n_weight_views, use_count, *views):
         # Under autocast run (and save) the operands in autocast's dtype, as nn.Linear does,
         # so the backward's operands share one dtype; autograd casts the gradients back.
         ctx.bias_is_param = bias is not None and bias.requires_grad  # before the cast (a non-leaf copy)
         dtype = autocast_dtype(weight)
         x, weight, bias = cast_to(x, dtype), cast_to(weight, dtype), cast_to(bias, dtype)
-        ctx.save_for_backward(x, weight, idx)
-        ctx.dim, ctx.splits, ctx.direct, ctx.n_weight_views = dim, splits, direct, n_weight_views
+        ctx.save_for_backward(x, weight)
+        ctx.dim, ctx.runs, ctx.direct, ctx.n_weight_views = dim, runs, direct, n_weight_views
         ctx.use_count = use_count
         return torch.nn.functional.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_y):
-        x, weight, idx = ctx.saved_tensors
+        x, weight = ctx.saved_tensors
         g2 = grad_y.reshape(-1, grad_y.shape[-1]).contiguous()
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        rows, cols = (idx, None) if ctx.dim == 0 else (None, idx)
-        owned_bias = ctx.dim == 0 and len(ctx.needs_input_grad) > 9 + ctx.n_weight_views
-        any_direct = any(d is not None for d in ctx.direct)
+        # views = weight runs, then (rows sliced with a sliced bias) one bias run each
+        owned_bias = ctx.dim == 0 and len(ctx.needs_input_grad) > 8 + ctx.n_weight_views
         # A Linear called several times per forward (weight sharing) sums its uses' gradients
         # in the bucket; the bucket may be issued only after the last use's backward.
         last_use = ctx.use_count is None or ctx.use_count.backward_ran()
-        # One call gives grad_x (dense), the owned weight block (unless it goes to buckets) and
-        # the owned rows' bias gradient when the bias is sliced with them.
-        gx, gw, gb = ops.masked_linear_backward(
-            g2, x2, weight, rows, cols, grad_out_full=True, dense_grad_input=True,
-            output_mask=(ctx.needs_input_grad[0], not any_direct, owned_bias), check_indices=False)
-        if not any_direct:
-            grads = list(gw.split(ctx.splits, dim=ctx.dim))
-        else:
-            grads = []
-            for d, part in zip(ctx.direct, idx.split(ctx.splits)):
-                r, c = (part, None) if ctx.dim == 0 else (None, part)
-                if d is not None:
-                    d.write(g2, x2, weight, r, c, last_use)
-                    grads.append(None)
-                else:
-                    grads.append(ops.masked_linear_backward(g2, x2, weight, r, c, grad_out_full=True,
-                                                            output_mask=(False, True, False), check_indices=False)[1])
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            gx = ops.masked_linear_backward(g2, x2, weight, dense_grad_input=True, output_mask=(True, False, False),
+                                            check_indices=False)[0]
+            grad_x = gx.reshape(x.shape)
+        grads = []
+        for d, run in zip(ctx.direct, ctx.runs):
+            out_runs, in_runs = ([run], []) if ctx.dim == 0 else ([], [run])
+            if d is not None:
+                d.write(g2, x2, out_runs, in_runs, last_use)
+                grads.append(None)
+            else:
+                gw = g2.new_empty((run[1], x2.shape[1]) if ctx.dim == 0 else (g2.shape[1], run[1]))
+                ops.masked_linear_grad_runs_(gw, None, g2, x2, out_runs, in_runs)
+                grads.append(gw)
         if owned_bias:
-            grads += list(gb.split(ctx.splits))
+            for run in ctx.runs:
+                gb = g2.new_empty(run[1])
+                ops.masked_linear_grad_runs_(None, gb, g2, x2, [run])
+                grads.append(gb)
         grad_bias = None
-        if ctx.bias_is_param:  # an unsliced bias: the formula's bias gradient with every output kept
-            grad_bias = ops.masked_linear_backward(g2, x2, weight, output_mask=(False, False, True),
-                                                   check_indices=False)[2]
-        grad_x = gx.reshape(x.shape) if gx is not None else None
-        return (grad_x, None, grad_bias, None, None, None, None, None, None, *grads)
+        if ctx.bias_is_param:  # an unsliced bias: every output's sum
+            grad_bias = g2.new_empty(g2.shape[1])
+            ops.masked_linear_grad_runs_(None, grad_bias, g2, x2)
+        return (grad_x, None, grad_bias, None, None, None, None, None, *grads)
 
 
 def _owned_linear_forward(module, x):
     weight_views = [getattr(module, n) for n in module._sdp_views["weight"]]
     bias_views = [getattr(module, n) for n in module._sdp_views.get("bias", [])]
     bias = module.bias_full if "bias" in module._sdp_views else module.bias
-    return _OwnedLinearFunction.apply(x, module.weight_full, bias, module._sdp_dim, module._sdp_idx,
-                                      module._sdp_splits, module._sdp_direct, len(weight_views),
-                                      _use_count(module), *weight_views, *bias_views)
+    return _OwnedLinearFunction.apply(x, module.weight_full, bias, module._sdp_dim, module._sdp_runs,
+                                      module._sdp_direct, len(weight_views), _use_count(module),
+                                      *weight_views, *bias_views)
 
 
 class _AssembleOwned:
@@ -320,10 +322,8 @@ def prepare_backward(model: nn.Module, plan, pieces: list[Piece], rank: int):
         if isinstance(module, nn.Linear) and set(attrs) <= {"weight", "bias"} and "weight" in attrs:
             dim, runs = attrs["weight"]
             module._sdp_views, module._sdp_dim = views, dim
-            module._sdp_splits = [length for _, length, _ in runs]
+            module._sdp_runs = [(start, length) for start, length, _ in runs]
             module._sdp_direct = [None] * len(runs)  # set by the engine (attach_direct_gradients)
-            module._sdp_idx = torch.cat([torch.arange(s, s + n) for s, n, _ in runs]).to(module.weight_full.device) \
-                if runs else torch.empty(0, dtype=torch.long, device=module.weight_full.device)
             if not runs:
                 raise ValueError(f"rank {rank} owns no slice of {path!r} (backward regime needs at least one)")
             module.forward = types.MethodType(_owned_linear_forward, module)

@@ -9,7 +9,7 @@ Packed segments (the tables of `pack_segments` / `unpack_average_`): see segment
 Modules, mirroring csrc/::
 
   linear.py        masked_linear, masked_linear_backward (its one gradient formula),
-                   masked_linear_grad_weight_                  (csrc/masked_linear.cpp)
+                   masked_linear_grad_weight_, masked_linear_grad_runs_ (csrc/masked_linear.cpp)
   segments.py      segment_table, PreparedSegments, pack_segments, unpack_average_
                                                                 (csrc/pack_segments.cpp)
   fake.py          fake kernels of every op, for torch.compile and opcheck
@@ -32,6 +32,7 @@ __all__ = [
     "masked_linear",
     "masked_linear_backward",
     "masked_linear_grad_weight_",
+    "masked_linear_grad_runs_",
     "segment_table",
     "PreparedSegments",
     "pack_segments",
@@ -43,6 +44,7 @@ _HOMES = {
     "masked_linear": "linear",
     "masked_linear_backward": "linear",
     "masked_linear_grad_weight_": "linear",
+    "masked_linear_grad_runs_": "linear",
     "segment_table": "segments",
     "PreparedSegments": "segments",
     "pack_segments": "segments",

@@ -55,6 +55,11 @@ def _masked_linear_grad_weight_fake(out, grad_out, x, out_idx, in_idx, grad_out_
     return None
 
 
+@torch.library.register_fake("subnet_ext::masked_linear_grad_runs_")
+def _masked_linear_grad_runs_fake(weight_out, bias_out, grad_out, x, out_runs, in_runs, accumulate):
+    return None
+
+
 @torch.library.register_fake("subnet_ext::pack_segments")
 def _pack_segments_fake(tensors, segments, buffer):
     return None

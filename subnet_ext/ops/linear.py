@@ -150,5 +150,35 @@ def masked_linear_grad_weight_(
                                             check_indices)
 
 
+def masked_linear_grad_runs_(
+    weight_out: Optional[torch.Tensor],
+    bias_out: Optional[torch.Tensor],
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    out_runs: Sequence[tuple[int, int]] = (),
+    in_runs: Sequence[tuple[int, int]] = (),
+    *,
+    accumulate: bool = False,
+) -> None:
+    """The owned weight and bias gradient when R and S are unions of contiguous runs, in place:
+    `weight_out (=|+=) g_R^T @ x_S`, `bias_out (=|+=) Σ_rows g_R`, with no gather: one GEMM per
+    pair of runs on strided views of grad_out and x (cuBLAS reads them through their leading
+    dimension). The engine's index sets are such runs (a rank owns runs of neurons, heads,
+    channels); arbitrary indices take `masked_linear_grad_weight_`. Never synchronises.
+
+    Args:
+        weight_out: `[|R|, |S|]` or None; may be a view of a flat communication bucket. The
+            operands' dtype, or float32 when they are fp16/bf16 (products and sums in fp32).
+        bias_out: `[|R|]` or None; dtype as weight_out.
+        grad_out: `[*, O]`, full width (R indexes its last dimension). x: `[*, I_x]`.
+        out_runs, in_runs: `[(start, length), ...]` over grad_out's and x's last dimension,
+            disjoint, in the order of the block's rows / columns; empty: every column.
+        accumulate: add to the outputs instead of overwriting them.
+    """
+    flat = lambda runs: [v for run in runs for v in (int(run[0]), int(run[1]))]  # noqa: E731
+    _ops.masked_linear_grad_runs_.default(weight_out, bias_out, grad_out, x, flat(out_runs), flat(in_runs),
+                                          accumulate)
+
+
 # The op's autograd backward is the formula above, the same one the engine calls.
 registration.register_autograd(masked_linear_backward)

@@ -112,6 +112,23 @@ def masked_linear_grad_weight_(out, grad_out, x, out_idx=None, in_idx=None, *, g
     out.copy_(block.to(out.dtype))
 
 
+def runs_index(runs, width: int, device) -> torch.Tensor:
+    """The indices `[start, start + length)` of each run, in order (no runs: all of `width`)."""
+    if not runs:
+        return _all(width, device)
+    return torch.cat([torch.arange(start, start + length, device=device) for start, length in runs])
+
+
+def masked_linear_grad_runs_(weight_out, bias_out, grad_out, x, out_runs=(), in_runs=(), *, accumulate=False):
+    """Reference of `ops.masked_linear_grad_runs_` (in place on weight_out and bias_out)."""
+    out_idx = runs_index(out_runs, grad_out.shape[-1], x.device)
+    in_idx = runs_index(in_runs, x.shape[-1], x.device)
+    acc, _, _, g_kept, xs = _backward_operands(grad_out, x, out_idx, in_idx, True)
+    for out, value in ((weight_out, g_kept.t() @ xs), (bias_out, g_kept.sum(0))):
+        if out is not None:
+            out.copy_((value + out.to(acc) if accumulate else value).to(out.dtype))
+
+
 def as_2d(t: torch.Tensor, view: bool = False) -> torch.Tensor:
     """The [size(0), numel // size(0)] view packing uses ([n] → [n, 1], scalar → [1, 1]).
 

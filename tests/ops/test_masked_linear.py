@@ -10,7 +10,7 @@ import torch
 import subnet_ext as sx
 from gpu_marks import needs_cuda, needs_two_gpus
 from subnet_ext import reference as ref
-from subnet_ext.testing import DEVICES, DTYPES, assert_close_to_reference
+from subnet_ext.testing import DEVICES, DTYPES, assert_close_to_reference, max_grid_blocks
 
 OUT, IN = 24, 20
 
@@ -376,26 +376,29 @@ def test_strided_indices_on_every_op(device, compact):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("compact", [False, True])
-def test_check_indices_false_gives_identical_results(device, compact):
-    x, w, b, oi, ii = operands(device, torch.float32, 0.5, compact, batch=(3, 4))
+def test_check_indices_false_matches_the_reference(device, compact):
+    """The unchecked path (the engine's) against the pure-PyTorch reference, in float64:
+    forward, autograd, the backward op and the in-place weight gradient."""
+    x, w, b, oi, ii = operands(device, torch.float64, 0.5, compact, batch=(3, 4))
+    tol = dict(rtol=1e-12, atol=1e-12)
     for scatter in (None, OUT):
         kw = dict(compact_weight=compact, scatter_width=scatter)
-        assert torch.equal(sx.masked_linear(x, w, b, oi, ii, check_indices=False, **kw),
-                           sx.masked_linear(x, w, b, oi, ii, **kw))
-        args = [t.clone().requires_grad_() for t in (x, w, b)]
+        torch.testing.assert_close(sx.masked_linear(x, w, b, oi, ii, check_indices=False, **kw),
+                                   ref.masked_linear(x, w, b, oi, ii, **kw), **tol)
         trusted = [t.clone().requires_grad_() for t in (x, w, b)]
-        sx.masked_linear(*args, oi, ii, **kw).square().sum().backward()
+        refs = [t.clone().requires_grad_() for t in (x, w, b)]
         sx.masked_linear(*trusted, oi, ii, check_indices=False, **kw).square().sum().backward()
-        for a, t in zip(args, trusted):
-            assert torch.equal(a.grad, t.grad)
-    g = torch.randn(3, 4, len(oi), device=device)
-    for a, t in zip(sx.masked_linear_backward(g, x, w, oi, ii, compact_weight=compact),
-                    sx.masked_linear_backward(g, x, w, oi, ii, compact_weight=compact, check_indices=False)):
-        assert torch.equal(a, t)
-    out, trusted_out = torch.zeros(len(oi), len(ii), device=device), torch.zeros(len(oi), len(ii), device=device)
-    sx.masked_linear_grad_weight_(out, g, x, oi, ii)
-    sx.masked_linear_grad_weight_(trusted_out, g, x, oi, ii, check_indices=False)
-    assert torch.equal(out, trusted_out)
+        ref.masked_linear(*refs, oi, ii, **kw).square().sum().backward()
+        for t, r in zip(trusted, refs):
+            torch.testing.assert_close(t.grad, r.grad, **tol)
+    g = torch.randn(3, 4, len(oi), device=device, dtype=torch.float64)
+    for got, want in zip(sx.masked_linear_backward(g, x, w, oi, ii, compact_weight=compact, check_indices=False),
+                         ref.masked_linear_backward(g, x, w, oi, ii, compact_weight=compact)):
+        torch.testing.assert_close(got, want, **tol)
+    out, want = (torch.zeros(len(oi), len(ii), device=device, dtype=torch.float64) for _ in range(2))
+    sx.masked_linear_grad_weight_(out, g, x, oi, ii, check_indices=False)
+    ref.masked_linear_grad_weight_(want, g, x, oi, ii)
+    torch.testing.assert_close(out, want, **tol)
 
 
 def test_check_indices_true_still_rejects_bad_values_and_false_keeps_cheap_checks():
@@ -490,8 +493,35 @@ def _check_gather_scatter_exact(x, w, b, oi, ii, width):
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_cuda_many_blocks_grid_stride(dtype):
-    """70000 rows x 300 columns: more row blocks than one grid row, grid-stride loops."""
+@pytest.mark.parametrize("blocks", [1, 3])
+def test_cuda_grid_smaller_than_the_work(dtype, blocks):
+    """The index kernels' grid capped at 1 or 3 blocks per dimension (testing.max_grid_blocks):
+    every thread's grid-stride loops make many passes over rows and columns, and every
+    path (16-byte column gather, element gather, whole-row vectors, 16-byte and element
+    scatter) must still write every element once. Widths 304 (a multiple of 16 bytes for
+    every dtype) and 301 (of none) take the vector and the element kernels."""
+    gen = torch.Generator().manual_seed(5)
+    for n, width, kept_out, kept_in in ((3001, 304, 152, 152), (2999, 301, 151, 149)):
+        x = torch.randn(n, width, generator=gen).to("cuda", dtype)
+        w = torch.randn(width, width, generator=gen).to("cuda", dtype)
+        b = torch.randn(width, generator=gen).to("cuda", dtype)
+        oi = torch.randperm(width, generator=gen)[:kept_out].cuda()
+        ii = torch.randperm(width, generator=gen)[:kept_in].cuda()
+        with max_grid_blocks(blocks):
+            _check_gather_scatter_exact(x, w, b, oi, ii, width)
+            # all output columns kept: the inverse map without a -1
+            _check_gather_scatter_exact(x, w, b, torch.randperm(width, generator=gen).cuda(), ii, width)
+            # whole rows of the weight (no in_idx: the whole-row gather, 16-byte vectors at width 304)
+            y, _, block = torch.ops.subnet_ext.masked_linear_forward(x, w, b, oi, None, False, -1)
+            assert torch.equal(block, w[oi]), "gather of whole weight rows"
+            torch.testing.assert_close(y.double(), ref.masked_linear(x.double(), w.double(), b.double(), oi),
+                                       rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_many_blocks(dtype):
+    """70000 rows x 300 columns at the default grid: many row blocks."""
     gen = torch.Generator().manual_seed(5)
     n, width = 70000, 300
     x = torch.randn(n, width, generator=gen).to("cuda", dtype)
@@ -500,8 +530,12 @@ def test_cuda_many_blocks_grid_stride(dtype):
     oi = torch.randperm(width, generator=gen)[:151].cuda()
     ii = torch.randperm(width, generator=gen)[:149].cuda()
     _check_gather_scatter_exact(x, w, b, oi, ii, width)
-    # all columns kept and none: the inverse map's two extremes
-    _check_gather_scatter_exact(x, w, b, torch.randperm(width, generator=gen).cuda(), ii, width)
+
+
+def test_max_grid_blocks_is_bounded():
+    with pytest.raises(ValueError, match=r"blocks must lie in \[1, 65535\], got 0"):
+        with max_grid_blocks(0):
+            pass
 
 
 @needs_cuda

@@ -65,14 +65,16 @@ def assert_close_to_reference(out: torch.Tensor, exact: torch.Tensor, torch_at_d
     assert err <= bound, f"{name}: max error {err:.3e} exceeds bound {bound:.3e} ({out.dtype})"
 
 
-def _distributed_entry(rank, world_size, port, fn, args, queue):
+def _distributed_entry(rank, world_size, port, fn, args, queue, backend="gloo"):
     import os
 
     import torch.distributed as dist
 
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    if backend == "nccl":  # one GPU per rank, current before the group exists (as launch.pick_backend)
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         queue.put((rank, "ok", fn(rank, world_size, *args)))
     except BaseException as e:  # report, do not hang the parent
@@ -88,10 +90,12 @@ def _distributed_entry(rank, world_size, port, fn, args, queue):
     exit_worker(0)  # the outcome travels in the queue
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 180.0) -> list:
-    """Run fn(rank, world_size, *args) in `world_size` gloo processes on 127.0.0.1.
+def run_distributed(fn, world_size: int, *args, timeout: float = 180.0, backend: str = "gloo") -> list:
+    """Run fn(rank, world_size, *args) in `world_size` processes on 127.0.0.1.
 
-    Each process gets one thread and a fresh free port, so tests never collide.
+    Each process gets one thread and a fresh free port, so tests never collide. `backend`:
+    "gloo" (CPU tensors, and CUDA tensors staged through host memory) or "nccl" (rank r
+    on cuda:(r % GPUs), made current before init_process_group).
     Returns the per-rank results; raises RuntimeError with every failing rank's
     traceback, or after `timeout` seconds (killing the workers) instead of hanging.
     """
@@ -105,7 +109,8 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180.0) -> list:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_distributed_entry, args=(r, world_size, port, fn, args, q), daemon=True)
+    procs = [ctx.Process(target=_distributed_entry, args=(r, world_size, port, fn, args, q, backend),
+                         daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -94,6 +94,19 @@ def group_ranks(group=None) -> str:
     return f"group of global ranks {tuple(dist.get_process_group_ranks(group))}"
 
 
+def staging_device(group, device: torch.device) -> torch.device:
+    """Where a small tensor the host builds and reads (hashes, step counts) takes part in a
+    collective on `group` (None: the default group): the CPU where the group's backend takes
+    CPU tensors (gloo, or "cpu:gloo,cuda:nccl"), else `device`, the engine's GPU (NCCL takes
+    CUDA tensors only, and a CPU tensor fails with "No backend type associated with device type cpu")."""
+    backend = str(dist.get_backend(group)).lower()
+    if ":" in backend:  # "cpu:gloo,cuda:nccl": one backend per device type
+        takes_cpu = any(pair.split(":")[0].strip() == "cpu" for pair in backend.split(","))
+    else:
+        takes_cpu = "cpu" in dist.Backend.backend_capability.get(backend, ("cpu",))
+    return torch.device("cpu") if takes_cpu else torch.device(device)
+
+
 def wait(work, operation: str, group: str, timeout: float | None = None) -> None:
     """Wait for an async collective; CollectiveError after `timeout` seconds or on failure.
 

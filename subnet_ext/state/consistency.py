@@ -115,8 +115,8 @@ def verify_consistency(layout: RankLayout, process_group=None, timeout: float | 
     if layout.world_size == 1 or not dist.is_initialized():
         return
     pieces = [p for p in layout.pieces if len(p.owners) > 1 and not layout.is_sharded(p)]  # FSDP shards: one holder
-    local = _local_hashes(layout, pieces)
-    table = collectives.all_gather(local, process_group, timeout)
+    local = _local_hashes(layout, pieces).to(collectives.staging_device(process_group, layout.device))
+    table = collectives.all_gather(local, process_group, timeout).cpu()
     labels = [describe_piece(layout.plan, p) for p in pieces]
     raise_on_mismatch(compare_hashes(table, [p.owners for p in pieces], labels))
 
@@ -127,8 +127,9 @@ def verify_replicas(named_tensors: dict, group=None, timeout: float | None = Non
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
     names = sorted(named_tensors)
+    device = next((t.device for t in named_tensors.values()), torch.device("cpu"))
     local = torch.tensor([tensor_hash(named_tensors[n]) for n in names], dtype=torch.int64)
-    table = collectives.all_gather(local, group, timeout)
+    table = collectives.all_gather(local.to(collectives.staging_device(group, device)), group, timeout).cpu()
     everyone = tuple(range(dist.get_world_size(group)))
     raise_on_mismatch(compare_hashes(table, [everyone] * len(names), [f"tensor {n!r}" for n in names]),
                       what="replicas")

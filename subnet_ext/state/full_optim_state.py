@@ -118,7 +118,7 @@ def full_optimizer_state_dict(layout: RankLayout, optimizer, process_group=None,
                          write, layout.device, process_group, timeout, rank0_only, cpu_offload, communicate,
                          label=describe_group(range(layout.world_size), layout.world_size), what="optimizer state")
     scalars = _max_scalars(optimizer, held, [k for k, shape in entry_shapes.items() if shape == "scalar"], params,
-                           process_group, timeout, communicate)
+                           process_group, timeout, communicate, layout.device)
     if rank0_only and communicate and dist.get_rank(process_group) != 0:
         return {}
     state = {}
@@ -131,9 +131,10 @@ def full_optimizer_state_dict(layout: RankLayout, optimizer, process_group=None,
     return {"state": state, "param_groups": groups}
 
 
-def _max_scalars(optimizer, held, keys: list, params: list, process_group, timeout, communicate) -> dict:
+def _max_scalars(optimizer, held, keys: list, params: list, process_group, timeout, communicate,
+                 device: torch.device) -> dict:
     """{(key, name): float}: the largest value of scalar state `key` over the pieces of each
-    parameter (one MAX all-reduce)."""
+    parameter (one MAX all-reduce, on the CPU where the group takes CPU tensors, else on `device`)."""
     values = {(k, n): 0.0 for k in keys for n in params}
     for s in held:
         state = optimizer.state.get(s.param, {})
@@ -141,7 +142,8 @@ def _max_scalars(optimizer, held, keys: list, params: list, process_group, timeo
             if k in state:
                 values[(k, s.piece.name)] = max(values[(k, s.piece.name)], float(scalar_value(state[k])))
     if communicate and values:
-        flat = torch.tensor(list(values.values()), dtype=torch.float64)
+        flat = torch.tensor(list(values.values()), dtype=torch.float64,
+                            device=collectives.staging_device(process_group, device))
         collectives.all_reduce(flat, process_group, op=dist.ReduceOp.MAX, timeout=timeout,
                                operation="all_reduce (optimizer step counts)")
         values = dict(zip(values, flat.tolist()))

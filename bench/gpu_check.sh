@@ -32,8 +32,8 @@ cd "$(dirname "$0")/.."
 PHASES=(build tests bench e2e)
 # Seconds each step may take on the GPU machine (the sum is the 480 s budget of one call,
 # the build included) and in a dry run on 2 CPU cores (CI).
-declare -A GPU_LIMIT=([build]=150 [build-info]=15 [bench-build]=60 [tests-cuda]=110 [bench-masked-linear]=25
-                      [bench-pack-segments]=25 [train-nccl]=35 [e2e-gpu]=60)
+declare -A GPU_LIMIT=([build]=160 [build-info]=15 [bench-build]=60 [tests-cuda]=110 [bench-masked-linear]=25
+                      [bench-pack-segments]=20 [train-nccl]=35 [e2e-gpu]=55)
 declare -A DRY_LIMIT=([build]=0 [build-info]=30 [bench-build]=400 [tests-cuda]=240 [bench-masked-linear]=10
                       [bench-pack-segments]=10 [train-nccl]=120 [e2e-gpu]=120)
 usage="usage: bash bench/gpu_check.sh all|{build|tests|bench|e2e}... [--dry-run]"
@@ -166,7 +166,7 @@ phase_tests() {
   local dir=$WORK/tests parallel=()
   mkdir -p "$dir"
   # pytest-xdist where installed (the GPU image has it): 4 workers share the GPU.
-  if "$PY" -c "import xdist" 2>/dev/null; then parallel=(-n 4); fi
+  if "$PY" -c "import xdist" 2>/dev/null; then parallel=(-n 4 --dist loadfile); fi
   local pytest=("$PY" -m pytest -q -m cuda -p no:cacheprovider "${parallel[@]}" --durations=30
                 --junitxml="$dir/junit.xml" tests)  # no -x: every failure is listed
   # Every cuda-marked test is selected (on CPU they are skipped); the count is the note.

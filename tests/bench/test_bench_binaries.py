@@ -97,7 +97,7 @@ def test_cuda_binary_runs_quick(built, name):
     assert "Targets (GPU" in result.stdout
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the quick run (test_cuda_binary_runs_quick) replaces it where a device is visible")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the quick run replaces it where a device is visible")
 @pytest.mark.parametrize("name", BUILT_CUDA)
 def test_cuda_binary_says_no_gpu(built, name):
     """Without a GPU a CUDA binary's libraries still load, and it refuses cleanly."""

@@ -67,21 +67,36 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-def _run_child(in_idx, out_idx, compact, width):
+def _start_child(in_idx, out_idx, compact, width):
     args = repr((in_idx, out_idx, compact, width))
-    return subprocess.run([sys.executable, "-c", _CHILD, args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=300)
+    return subprocess.Popen([sys.executable, "-c", _CHILD, args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+@pytest.fixture(scope="module")
+def children():
+    """{case name: (exit code, output) of the bad child, (exit code, output) of the same child
+    with valid indices}: all children start at once (each one loads torch and a CUDA
+    context: seconds), then are waited for."""
+    started = {case[0]: (_start_child(*case[1:5]), _start_child([0, 3], [1, 2], case[3], case[4]))
+               for case in BAD_CASES}
+    done = {}
+    for name, pair in started.items():
+        outcome = []
+        for proc in pair:
+            out, _ = proc.communicate(timeout=300)
+            outcome.append((proc.returncode, out))
+        done[name] = tuple(outcome)
+    return done
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs a GPU and the CUDA kernels")
 @pytest.mark.parametrize("case", BAD_CASES, ids=[c[0] for c in BAD_CASES])
-def test_unchecked_bad_index_trips_the_device_assert(case):
-    _, in_idx, out_idx, compact, width, _ = case
-    good = _run_child([0, 3], [1, 2], compact, width)  # the same child with valid indices: it must pass
-    assert good.returncode == 0 and "finished without an assert" in good.stdout, good.stdout
-    bad = _run_child(in_idx, out_idx, compact, width)
-    assert bad.returncode != 0, bad.stdout
-    assert "finished without an assert" not in bad.stdout, bad.stdout
-    assert "device-side assert triggered" in bad.stdout, bad.stdout
-    assert "subnet_ext.masked_linear: " in bad.stdout and "index is out of range" in bad.stdout, bad.stdout
+def test_unchecked_bad_index_trips_the_device_assert(case, children):
+    (bad_code, bad), (good_code, good) = children[case[0]]
+    assert good_code == 0 and "finished without an assert" in good, good  # the same child with valid indices
+    assert bad_code != 0, bad
+    assert "finished without an assert" not in bad, bad
+    assert "device-side assert triggered" in bad, bad
+    assert "subnet_ext.masked_linear: " in bad and "index is out of range" in bad, bad

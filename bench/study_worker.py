@@ -33,7 +33,7 @@ from subnet_ext.cli.loop import make_method
 from subnet_ext.cli.methods import ActivationMeter, proc_status_bytes
 from subnet_ext.cli.stochastic_depth import StochasticDepth, residual_branches
 from subnet_ext.cli.tasks import build_task
-from subnet_ext.cli.training import OptimizerStep, apply_activation_checkpointing
+from subnet_ext.cli.training import OptimizerStep, apply_activation_checkpointing, make_optimizer
 from subnet_ext.engine.guard import NonFiniteGuard
 
 MAX_EXTENSION = 10  # a run stops at 10 x `steps` whatever its budgets say (flagged "capped")
@@ -46,7 +46,7 @@ def run_group(spec: dict) -> None:
     """Entry point of every rank (subnet_ext.cli.launch.spawn_local): spec = {"device", "profile",
     "out", "jobs": [{"config": cfg, "phases": [cfg, ...]}, ...]}."""
     backend, device = pick_backend("auto", spec["device"])
-    init_distributed(backend, timeout_s=spec["profile"]["timeout"])
+    init_distributed(backend, timeout_s=spec["profile"]["timeout"], device=device)
     register_masked_linear_flops()
     for job in spec["jobs"]:
         _run_job(job, spec, device)
@@ -69,8 +69,7 @@ class Run:
         drop = cfg.get("stochastic_depth", 0.0)
         self.stochastic = StochasticDepth(model, drop, cfg["seed"], self.rank) if drop else None
         self.method = make_method(self.args, model, device, self.stochastic)
-        self.optimizer = torch.optim.AdamW(self.method.parameters(), lr=self.args.lr,
-                                           weight_decay=self.args.weight_decay)
+        self.optimizer = make_optimizer(self.method.parameters(), self.args)
         self.reference = reference  # the full model's training FLOPs per rank batch, and per block
         self.step, self.flops, self.seconds = 0, 0.0, 0.0
         self.step_flops = None  # FLOPs of a step, summed over ranks (deterministic methods)
@@ -100,14 +99,13 @@ class Run:
         counter = counting_flops() if first else None
         with counter if counter is not None else contextlib.nullcontext():
             loss = stepper.accumulate(self.task, self.step, self.rank, self.world, meter=meter)
-            stepped = stepper.finish(self.step + 1)["stepped"]
+            stepper.finish(self.step + 1)  # a skipped step is skipped on the device; the study never skips
         # Gradients still held. The largest over the run: with stochastic depth a dropped block has no
         # gradient, and AdamW creates a parameter's state at its first update, so step 0 can undercount.
         memory = self.method.memory(self.optimizer)
         if self.memory is None or memory["model_state"] > self.memory["model_state"]:
             self.memory = memory
-        if stepped:
-            self.method.after_step()
+        self.method.after_step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -145,6 +143,9 @@ class Run:
     def evaluate(self, marks: list[str], batches: list) -> dict:
         """Evaluate every model of the run (collective) and append the point to the curve."""
         kind = self.cfg["method"]
+        stepper = getattr(self, "_optimizer_step", None)
+        if stepper is not None:  # the skip decisions kept on the device since the last point, read in one copy
+            stepper.guard.settle()
         # Every model a user could keep at the protocols' marks; the full model alone elsewhere (the curves).
         every_model = bool(set(marks) - {"start"})
         losses = evaluate_method(kind, self.method, self.task, batches, self.device, self.stochastic, every_model)

@@ -13,7 +13,8 @@ A read is charged to the code that asked for it: the innermost frame outside tor
 dispatch plumbing (and this file). Only those in the subnet_ext package are kept: a read
 torch makes inside a function subnet_ext calls (an optimizer reading its CPU step count)
 is torch's, not the engine's. Reads inside the C++ kernels are invisible here; on a GPU,
-`torch.cuda.set_sync_debug_mode("error")` catches those.
+`torch.cuda.set_sync_debug_mode("error")` catches those. `subnet_ext_caller` is that
+charging alone, for other counts (tests/state/test_rank0_state.py charges allocations).
 """
 import contextlib
 import os
@@ -46,21 +47,34 @@ def _caller(frame):
     return None, None
 
 
+def subnet_ext_caller(frame):
+    """(file relative to the package, line) of the subnet_ext code that asked for the op or
+    read being handled in `frame` (its innermost frame outside torch's dispatch plumbing
+    and this file), or None when that code is not subnet_ext's (torch's own, a test's)."""
+    name, line = _caller(frame)
+    if name is None or not name.startswith(PACKAGE):
+        return None
+    return os.path.relpath(name, PACKAGE), line
+
+
 class HostReads(TorchDispatchMode):
-    """`reads`: [(what, file, line)] of the host reads subnet_ext made while active."""
+    """`reads`: [(what, file, line)] of the host reads subnet_ext made while active;
+    `scalar_reads`: [(what, file, line)] of every item/bool/float/equal read, torch's own
+    included (a loss scaler reading its found-inf), the file absolute."""
 
     def __init__(self):
         super().__init__()
-        self.reads = []
+        self.reads, self.scalar_reads = [], []
 
     def note(self, what: str, frame) -> None:
         """Record a read if the code that asked for it is subnet_ext's."""
-        name, line = _caller(frame)
-        if name is not None and name.startswith(PACKAGE):
-            self.reads.append((what, os.path.relpath(name, PACKAGE), line))
+        caller = subnet_ext_caller(frame)
+        if caller is not None:
+            self.reads.append((what, *caller))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in _READ_OPS:
+            self.scalar_reads.append((str(func), *_caller(sys._getframe(1))))
             self.note(str(func), sys._getframe(1))
         return func(*args, **(kwargs or {}))
 

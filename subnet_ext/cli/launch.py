@@ -102,20 +102,32 @@ def pick_backend(requested: str = "auto", device: str = "auto",
     return backend, torch.device("cpu")
 
 
-def init_distributed(backend: str, timeout_s: float = 300.0) -> None:
-    """init_process_group from the environment, with a bounded timeout (no endless hangs)."""
+def init_distributed(backend: str, timeout_s: float = 300.0, device: torch.device | None = None) -> None:
+    """init_process_group from the environment, with a bounded timeout (no endless hangs).
+
+    On NCCL, `device` (this rank's GPU, e.g. cuda:LOCAL_RANK) is passed as `device_id`: the
+    group is bound to it and its communicators are made now, eagerly, rather than lazily
+    inside the first collective (the first backward's gradient all-reduce).
+
+    Raises:
+        ValueError: NCCL without a CUDA device.
+    """
     if dist.is_initialized():
         return
-    timeout = datetime.timedelta(seconds=timeout_s)
+    options = {"timeout": datetime.timedelta(seconds=timeout_s)}
+    if backend == "nccl":
+        if device is None or torch.device(device).type != "cuda":
+            raise ValueError(f"init_distributed: the nccl backend needs this rank's CUDA device, got {device!r}")
+        options["device_id"] = torch.device(device)
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if restart is None:
-        dist.init_process_group(backend=backend, timeout=timeout)
+        dist.init_process_group(backend=backend, **options)
         return
     # Under torchrun the agent's store outlives a restart: without a per-attempt namespace a
     # restarted rank can read the dead attempt's gloo addresses and fail to connect.
-    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    store, rank, world = next(dist.rendezvous("env://", timeout=options["timeout"]))
     store = dist.PrefixStore(f"subnet_ext/attempt_{restart}", store)
-    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, **options)
 
 
 def shutdown_distributed() -> None:

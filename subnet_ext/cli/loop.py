@@ -5,9 +5,10 @@ the report. Batches depend only on (seed, step, rank), so a resumed run sees the
 batches the interrupted one would have seen.
 
 Reliability (docs/reliability.md): a step whose gradients are not finite on some rank
-is skipped on every rank (`NonFiniteGuard`, `--max-skipped`); `--verify-every N` proves
-the owners agree; checkpoints are verified and atomic (`checkpointing`); every
-collective has a deadline (`--timeout`).
+is skipped on every rank (`NonFiniteGuard`, decided on the device; the skipped steps are
+read with the losses, every --log-every steps, where `--max-skipped` stops the run);
+`--verify-every N` proves the owners agree; checkpoints are verified and atomic
+(`checkpointing`); every collective has a deadline (`--timeout`).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from .faults import Faults
 from .methods import ActivationMeter, DDPMethod, FSDPMethod, SDPMethod, peak_rss_bytes
 from .stochastic_depth import StochasticDepth
 from .tasks import build_task
-from .training import OptimizerStep, apply_activation_checkpointing, training_settings
+from .training import OptimizerStep, apply_activation_checkpointing, make_optimizer, training_settings
 
 
 def data_rank(args: Namespace) -> tuple[int, int]:
@@ -75,7 +76,7 @@ def evaluate(method, task, device) -> dict:
 def run_worker(args: Namespace) -> dict | None:
     """Train on this rank; returns the report on rank 0 (None elsewhere)."""
     backend, device = pick_backend(args.backend, args.device)
-    init_distributed(backend, timeout_s=args.timeout)
+    init_distributed(backend, timeout_s=args.timeout, device=device)
     rank, world = dist.get_rank(), dist.get_world_size()
     task = build_task(args.data, args.model, args.preset, args.batch_size, args.seq_len, args.seed, args.width)
     torch.manual_seed(args.seed)  # the same initial model on every rank
@@ -86,7 +87,7 @@ def run_worker(args: Namespace) -> dict | None:
     method = make_method(args, model, device, stochastic)
     if args.compile:
         method.compile()
-    optimizer = torch.optim.AdamW(method.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    optimizer = make_optimizer(method.parameters(), args)
 
     start, history = 0, {"step": [], "loss": [], "eval": [], "skipped": []}
     if args.resume:
@@ -94,7 +95,7 @@ def run_worker(args: Namespace) -> dict | None:
         if resumed is not None:
             start, history = resumed
             if stochastic is not None:  # the draws of the steps the resumed run has yet to take
-                stochastic.step = len(history["step"]) - len(history["skipped"])
+                stochastic.step = len(history["step"])
     history.setdefault("lr", [])
     if args.grad_clip is not None:  # the pre-clip norm is computed only when clipping
         history.setdefault("grad_norm", [])
@@ -129,12 +130,12 @@ def _train(args, task, method, optimizer, history, start, device, rank) -> dict 
     """Steps start..args.steps, appending to history; this rank's measurements
     {memory, activation_bytes, step_time_s}, or None after --stop-after.
 
-    A step reads one number to the host (its skip flag, which paces the host, so the
-    wall time of a step is its time once the pipeline is full); losses and gradient norms
-    are read every --log-every steps, and before anything that uses the history."""
+    A step reads nothing to the host: its skip decision stays on the device (OptimizerStep).
+    Losses, gradient norms and the skip decisions are read together every --log-every
+    steps, and before anything that uses the history (`_settle`)."""
     guard = NonFiniteGuard(args.max_skipped, timeout=args.timeout)
     guard.skipped_steps = list(history["skipped"])
-    stepper = OptimizerStep(method, optimizer, guard, args, device, taken=len(history["step"]) - guard.skipped)
+    stepper = OptimizerStep(method, optimizer, guard, args, device, taken=len(history["step"]))
     faults = Faults(rank)
     progress = _progress(rank, start, args.steps)
     scalars = DeferredScalars(history)
@@ -148,19 +149,19 @@ def _train(args, task, method, optimizer, history, start, device, rank) -> dict 
         if activation_bytes is None:
             activation_bytes = meter.bytes
         faults.after_backward(step + 1, method.parameters())
-        # Every rank steps, or every rank skips (one all-reduced flag: the guard's, or the fp16 scaler's).
+        # Every rank steps, or every rank skips (one all-reduced flag: the guard's, or the fp16
+        # scaler's), decided on the device: optimizer.step() and its hooks run either way.
         record = stepper.finish(step + 1)
-        if record["stepped"]:
-            if memory is None:
-                memory = method.memory(optimizer)  # grads still allocated: measured before zero_grad
-            method.after_step()
+        if memory is None:
+            memory = method.memory(optimizer)  # grads still allocated: measured before zero_grad
+        method.after_step()
         optimizer.zero_grad(set_to_none=True)
         step_times.append(time.perf_counter() - t0)
-        _record(history, scalars, step + 1, loss, record, guard)
+        _record(history, scalars, step + 1, loss, record)
         progress.update(1)
         boundary = step + 1 == args.steps or bool(args.stop_after and step + 1 - start >= args.stop_after)
         if (step + 1) % log_every == 0 or boundary or _saves_or_evaluates(args, step + 1):
-            scalars.flush()
+            _settle(history, scalars, guard)
             progress.set_postfix(loss=f"{history['loss'][-1]:.4f}")
         if args.verify_every and (step + 1) % args.verify_every == 0:
             method.verify_consistency()
@@ -171,7 +172,7 @@ def _train(args, task, method, optimizer, history, start, device, rank) -> dict 
         if args.stop_after and step + 1 - start >= args.stop_after:
             progress.close()
             return None
-    scalars.flush()
+    _settle(history, scalars, guard)
     progress.close()
     return {"memory": memory, "activation_bytes": activation_bytes,
             "step_time_s": _median(step_times[1:] or step_times)}
@@ -197,26 +198,40 @@ class DeferredScalars:
         if torch.is_tensor(value):
             self.pending.append((key, len(self.history[key]) - 1, value))
 
-    def flush(self) -> None:
-        """Replace every pending tensor in the history by its value (one device-to-host copy)."""
-        if not self.pending:
-            return
-        device = self.pending[0][2].device
-        values = torch.stack([v.detach().float().reshape(()).to(device) for _, _, v in self.pending]).tolist()
+    def flush(self, extra: list[torch.Tensor] = ()) -> list[float]:
+        """Replace every pending tensor in the history by its value, and return the values of
+        the 0-d tensors `extra`, all in one device-to-host copy."""
+        tensors = [v for _, _, v in self.pending] + list(extra)
+        if not tensors:
+            return []
+        device = tensors[0].device
+        values = torch.stack([v.detach().float().reshape(()).to(device) for v in tensors]).tolist()
         for (key, i, _), v in zip(self.pending, values):
             self.history[key][i] = v
         self.pending = []
+        return values[len(values) - len(extra):]
 
 
-def _record(history: dict, scalars: DeferredScalars, step: int, loss, record: dict, guard) -> None:
+def _record(history: dict, scalars: DeferredScalars, step: int, loss, record: dict) -> None:
     """Appends one step to the history: loss (mean over micro-batches), lr, pre-clip norm
     (the tensors are read at the next flush)."""
-    history["skipped"] = list(guard.skipped_steps)
     history["step"].append(step)
     scalars.append("loss", loss)
     history["lr"].append(record["lr"])
     if "grad_norm" in history:
         scalars.append("grad_norm", record["grad_norm"])
+
+
+def _settle(history: dict, scalars: DeferredScalars, guard) -> None:
+    """Read the pending losses, norms and skip decisions in one copy; the skipped steps go to
+    history["skipped"] (their gradient norm, not finite, becomes None). Raises
+    TooManySkippedSteps past --max-skipped (on every rank at the same step)."""
+    skipped = guard.settle(scalars.flush(extra=guard.pending_flags()))
+    history["skipped"] = list(guard.skipped_steps)
+    if skipped and "grad_norm" in history:
+        index = {s: i for i, s in enumerate(history["step"])}
+        for s in skipped:
+            history["grad_norm"][index[s]] = None
 
 
 def _report(args, task, method, per_rank, comm, final, history, world):

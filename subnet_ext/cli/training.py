@@ -3,9 +3,13 @@ loss scaling), gradient accumulation, clipping, the learning-rate schedule.
 
 One `OptimizerStep` per run. Per step: N micro-batches (the first N-1 backwards without
 communication, the loss divided by N), then either the scaler's decision (fp16: the
-scaler finds inf/NaN and skips) or the NonFiniteGuard's all-reduced flag (fp32/bf16),
-then clipping of the synchronised gradient, the optimizer step and the scheduler step
-(only when the optimizer stepped). Every decision is agreed by all ranks.
+scaler finds inf/NaN) or the NonFiniteGuard's all-reduced flag (fp32/bf16), then clipping
+of the synchronised gradient, the optimizer step and the scheduler step. Every decision is
+agreed by all ranks and stays on the device: the optimizer is torch's fused AdamW, which
+takes the flag as its `found_inf` and leaves parameters and state unchanged on a skipped
+step (as with torch's GradScaler), so nothing is read to the host. The skipped steps reach
+the host when the loop settles the guard (every --log-every steps). The schedule advances
+every step, skipped ones included (as a scheduler beside torch's GradScaler does).
 """
 from __future__ import annotations
 
@@ -44,8 +48,14 @@ def lr_factor(taken: int, total: int, warmup: int, schedule: str) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * (taken - warmup) / max(1, total - warmup)))
 
 
+def make_optimizer(parameters, args) -> torch.optim.Optimizer:
+    """The run's optimizer: torch's AdamW at --lr and --weight-decay, fused (one kernel per
+    device and dtype), which skips a step on the device when handed a found-inf flag."""
+    return torch.optim.AdamW(parameters, lr=args.lr, weight_decay=args.weight_decay, fused=True)
+
+
 def make_scheduler(optimizer, base_lr: float, total: int, warmup: int, schedule: str, taken: int = 0):
-    """LambdaLR with `lr_factor`, positioned after `taken` optimizer steps (a resumed run)."""
+    """LambdaLR with `lr_factor`, positioned after `taken` steps (a resumed run)."""
     for group in optimizer.param_groups:  # a resumed optimizer's lr is the decayed one: start from --lr
         group["lr"] = base_lr
         group.pop("initial_lr", None)
@@ -59,18 +69,20 @@ def make_scheduler(optimizer, base_lr: float, total: int, warmup: int, schedule:
     return scheduler
 
 
-def make_scaler(method_name: str, precision: str, device: torch.device, timeout: float | None):
+def make_scaler(method_name: str, precision: str, device: torch.device):
     """fp16 only: torch.amp.GradScaler for ddp (gradients are all-reduced, so every rank
     finds the same inf); subnet_ext.GradScaler for sdp (an inf in a unit is seen only by
     its owners) and fsdp (each rank checks only its shard of the gradient): their
-    found-inf flag is all-reduced, so every rank skips the same steps."""
+    found-inf flag is all-reduced, so every rank skips the same steps. That all-reduce is
+    waited for in stream order (no host wait on NCCL); its deadline is the world group's
+    own timeout (--timeout, given to init_process_group)."""
     if precision != "fp16":
         return None
     if method_name == "ddp":
         return torch.amp.GradScaler(device.type)
     from ..engine.grad_scaler import GradScaler
 
-    return GradScaler(device.type, timeout=timeout)
+    return GradScaler(device.type, timeout=None)
 
 
 def autocast(device: torch.device, precision: str):
@@ -125,29 +137,32 @@ def apply_activation_checkpointing(model: nn.Module) -> int:
 class OptimizerStep:
     """One optimizer step of a run: micro-batches, the skip decision, clipping, the step.
 
-    A step reads one number to the host: its skip decision (the guard's all-reduced flag,
-    or inside the fp16 scaler's `step`, as torch DDP + GradScaler do). The loss and the
-    gradient norm stay on the device (the loop reads them every --log-every steps), and
-    whether the scaler stepped is seen by an optimizer step hook, not by reading the scale.
+    A step reads nothing to the host. The skip decision (the guard's all-reduced flag, or
+    the fp16 scaler's found-inf, all-reduced by subnet_ext.GradScaler) is a 0-d device
+    tensor handed to the fused optimizer (`guard.optimizer_step`, or the scaler's step,
+    which does the same for optimizers that support it) and kept in the guard until the
+    loop settles it; the loss and the gradient norm stay on the device too (the loop reads
+    them every --log-every steps).
 
     Args:
         method: the wrapped model (methods.Method: __call__, parameters, no_sync, clip_grad_norm_).
-        optimizer: over method.parameters().
-        guard: engine.guard.NonFiniteGuard (its skipped_steps also receive the scaler's skips).
-        args: grad_accum, grad_clip, precision, lr, lr_schedule, warmup_steps, steps, timeout.
-        taken: optimizer steps already taken (a resumed run), to position the schedule.
+        optimizer: over method.parameters(), able to skip on the device (`make_optimizer`).
+        guard: engine.guard.NonFiniteGuard (it also keeps the scaler's flags).
+        args: grad_accum, grad_clip, precision, lr, lr_schedule, warmup_steps, steps.
+        taken: steps already taken (a resumed run, skipped ones included), to position the schedule.
+
+    Raises:
+        ValueError: an optimizer that cannot take a found-inf flag (not fused).
     """
 
     def __init__(self, method, optimizer, guard, args, device: torch.device, taken: int = 0):
+        if not getattr(optimizer, "_step_supports_amp_scaling", False):
+            raise ValueError(f"OptimizerStep: {type(optimizer).__name__} cannot skip a step on the device (its "
+                             "step() takes no found-inf flag); build it with make_optimizer (AdamW, fused=True)")
         self.method, self.optimizer, self.guard, self.device = method, optimizer, guard, device
         self.micro_steps, self.max_norm, self.precision = args.grad_accum, args.grad_clip, args.precision
-        self.scaler = make_scaler(method.name, args.precision, device, args.timeout)
+        self.scaler = make_scaler(method.name, args.precision, device)
         self.scheduler = make_scheduler(optimizer, args.lr, args.steps, args.warmup_steps, args.lr_schedule, taken)
-        self._stepped = False
-        optimizer.register_step_post_hook(self._saw_step)
-
-    def _saw_step(self, optimizer, args, kwargs) -> None:
-        self._stepped = True
 
     def accumulate(self, task, step: int, rank: int, world: int, meter=None) -> torch.Tensor:
         """Forward + backward of the step's micro-batches; returns their mean loss, a 0-d
@@ -170,33 +185,28 @@ class OptimizerStep:
         return total
 
     def finish(self, step: int) -> dict:
-        """Decide, clip and step after `accumulate`. `step` (1-based) labels a skip.
+        """Decide, clip and step after `accumulate`. `step` (1-based) labels the decision in
+        the guard. Collective (every rank steps or skips together).
 
-        Returns {"stepped": bool, "lr": lr of this step, "grad_norm": pre-clip norm of the
-        synchronised gradient, a 0-d device tensor (None without --grad-clip or when the
-        step was skipped)}.
+        Returns {"lr": lr of this step, "grad_norm": pre-clip norm of the synchronised
+        gradient, a 0-d device tensor (None without --grad-clip; not finite on a skipped
+        step), "skip": the decision, a 0-d float32 device tensor, nonzero: skipped}.
         """
         lr = self.optimizer.param_groups[0]["lr"]
-        norm = None
-        self._stepped = False
         if self.scaler is not None:
             # fp16: the scaler's found-inf decides (agreed by all ranks); no second check by the guard.
             self.scaler.unscale_(self.optimizer)
+            skip = _scaler_found_inf(self.scaler, self.optimizer)
             norm = self._clip()
-            self.scaler.step(self.optimizer)  # reads its found-inf flag: the step's one host read
+            self.scaler.step(self.optimizer)  # a fused optimizer gets found_inf: no host read
             self.scaler.update()
-            stepped = self._stepped  # the scaler called optimizer.step() (the hook saw it)
-            if not stepped:
-                _count_skip(self.guard, step)
-                norm = None
+            self.guard.record(skip, step)
         else:
-            stepped = self.guard.should_step(self.method.parameters(), step)
-            if stepped:
-                norm = self._clip()
-                self.optimizer.step()
-        if stepped:
-            self.scheduler.step()
-        return {"stepped": stepped, "lr": lr, "grad_norm": norm}
+            skip = self.guard.check(self.method.parameters(), step)
+            norm = self._clip()
+            self.guard.optimizer_step(self.optimizer, skip)
+        self.scheduler.step()
+        return {"lr": lr, "grad_norm": norm, "skip": skip}
 
     def _clip(self):
         if self.max_norm is None:
@@ -205,13 +215,9 @@ class OptimizerStep:
         return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).detach()
 
 
-def _count_skip(guard, step: int) -> None:
-    """Records a step the scaler skipped in the guard, which enforces --max-skipped."""
-    from ..engine.guard import TooManySkippedSteps
-
-    guard.skipped_steps.append(step)
-    if guard.max_skipped is not None and guard.skipped > guard.max_skipped:
-        raise TooManySkippedSteps(
-            f"{guard.skipped} step(s) were skipped by the fp16 loss scaler for inf/NaN gradients (latest: "
-            f"{guard.skipped_steps[-5:]}), more than the {guard.max_skipped} allowed (--max-skipped); stopping. "
-            "Use --precision bf16, lower the learning rate or clip gradients; resume from the last checkpoint.")
+def _scaler_found_inf(scaler, optimizer) -> torch.Tensor:
+    """The scaler's found-inf of this step after `unscale_` (its per-device flags, the same on
+    every rank), as one 0-d float32 tensor; taken before `update()`, which may add into them."""
+    flags = list(scaler._found_inf_per_device(optimizer).values())
+    device = flags[0].device
+    return torch.stack([f.to(device, torch.float32).reshape(()) for f in flags]).amax()

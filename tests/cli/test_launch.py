@@ -2,12 +2,16 @@
 
 NCCL cannot run two ranks on one GPU, so --device auto falls back to gloo on the CPU with
 a one-line note, and an explicit --device cuda / --backend nccl is refused naming both
-counts.
+counts. On NCCL the worker binds its process group to its GPU (`device_id`, so the
+communicators are made at init, not in the first backward): checked on the arguments
+`init_process_group` receives, monkeypatched.
 """
 import pytest
 import torch
 
-from subnet_ext.cli import launch, runner, train
+import torch.distributed as dist
+
+from subnet_ext.cli import launch, loop, runner, train
 
 
 @pytest.fixture
@@ -85,3 +89,50 @@ def test_cli_auto_pins_gloo_on_cpu_before_spawning(gpus, monkeypatch, capsys):
     assert spawned == [("gloo", "cpu", 2)]
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "uses gloo on the CPU" in err
+
+
+class _Initialised(Exception):
+    """Stops a worker right after init_process_group (the stand-in raises it)."""
+
+
+@pytest.fixture
+def init_calls(monkeypatch):
+    """The keyword arguments of every init_process_group call; the call itself raises _Initialised."""
+    calls = []
+
+    def fake(**kwargs):
+        calls.append(kwargs)
+        raise _Initialised
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", fake)
+    return calls
+
+
+@pytest.mark.parametrize("restart", [None, "1"])
+def test_the_worker_binds_nccl_to_its_gpu(gpus, init_calls, monkeypatch, restart):
+    """Local rank 1 of 2 with 2 GPUs: nccl with device_id cuda:1 (also under torchrun's restart,
+    through the rendezvous store); gloo gets no device_id."""
+    gpus(2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    if restart is None:
+        monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    else:
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", restart)
+        monkeypatch.setattr(dist, "rendezvous", lambda url, timeout: iter([(dist.HashStore(), 1, 2)]))
+    parser = train.build_parser()
+    for backend, device in [("auto", "auto"), ("gloo", "cpu")]:
+        args = parser.parse_args(["--backend", backend, "--device", device, "--timeout", "42"])
+        train.check_args(parser, args)
+        with pytest.raises(_Initialised):
+            loop.run_worker(args)
+    nccl, gloo = init_calls
+    assert nccl["backend"] == "nccl" and nccl["device_id"] == torch.device("cuda", 1), nccl
+    assert nccl["timeout"].total_seconds() == 42 and (restart is None) == ("store" not in nccl), nccl
+    assert gloo["backend"] == "gloo" and "device_id" not in gloo, gloo
+
+
+def test_nccl_without_a_gpu_is_refused():
+    with pytest.raises(ValueError, match="nccl backend needs this rank's CUDA device, got device"):
+        launch.init_distributed("nccl", device=torch.device("cpu"))

@@ -1,7 +1,9 @@
 """subnet-train under faults: a worker SIGKILLed under torchrun --max-restarts resumes from
 the last checkpoint and ends bit-identical to an uninterrupted run; a NaN gradient on one
-rank is skipped everywhere (counted in the report, owners still agree); --max-skipped
-stops the run cleanly."""
+rank is skipped everywhere (the skip decided on the device: parameters and optimizer state
+of every rank's checkpoint unchanged by that step, the step counts those of the steps the
+test did not spoil, counted in the report, owners still agree); --max-skipped stops the
+run cleanly."""
 import json
 import os
 import signal
@@ -14,6 +16,7 @@ import torch
 from subnet_ext.cli.launch import free_port
 from subnet_ext.cli.train import main
 from subnet_ext.cli.checkpointing import load_full_model_state
+from subnet_ext.state.checkpoint import read_state, state_metadata
 
 TINY = ["--model", "mlp", "--width", "16", "--data", "digits", "--batch-size", "16", "--method", "sdp"]
 
@@ -47,14 +50,35 @@ def test_killed_worker_restarts_and_matches_uninterrupted_run(tmp_path):
     assert losses[1] == losses[0]
 
 
-def test_nan_on_one_rank_is_skipped_everywhere(tmp_path, monkeypatch):
-    monkeypatch.setenv("SUBNET_EXT_FAULT_NAN", "1:3")
-    out = tmp_path / "out"
-    assert main([*TINY, "--steps", "5", "--nproc", "2", "--level", "neuron", "--regime", "backward",
-                 "--verify-every", "1", "--max-skipped", "2", "--out", str(out)]) == 0
+def saved_state(folder) -> dict:
+    """{key: tensor}: every tensor a checkpoint holds (all ranks' parameters and optimizer
+    state: SDP's pieces, or DDP/FSDP's full tensors), read in this process."""
+    request = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in state_metadata(str(folder)).items()}
+    read_state(str(folder), request)
+    return request
+
+
+@pytest.mark.parametrize("method", ["sdp", "fsdp"])
+def test_nan_on_one_rank_is_skipped_everywhere(tmp_path, monkeypatch, method):
+    steps, bad = 5, 3
+    monkeypatch.setenv("SUBNET_EXT_FAULT_NAN", f"1:{bad}")
+    out, ck = tmp_path / "out", tmp_path / "ck"
+    extra = ["--level", "neuron", "--regime", "backward", "--verify-every", "1"] if method == "sdp" else []
+    assert main([*TINY[:-1], method, "--steps", str(steps), "--nproc", "2", *extra, "--max-skipped", "2",
+                 "--save-dir", str(ck), "--save-every", "1", "--keep-last", str(steps), "--out", str(out)]) == 0
     report = json.loads((out / "report.json").read_text())
-    assert report["skipped_steps"] == 1 and report["history"]["skipped"] == [3]
-    assert len(report["history"]["loss"]) == 5  # --verify-every 1 passed after every step, NaN step included
+    assert report["skipped_steps"] == 1 and report["history"]["skipped"] == [bad]
+    assert len(report["history"]["loss"]) == steps  # (sdp) --verify-every 1 passed after every step, NaN step included
+    states = {s: saved_state(ck / f"step-{s:06d}") for s in (bad - 1, bad, bad + 1, steps)}
+    # Every rank's parameters and optimizer state (moments, step counts) are as the step before left them ...
+    assert states[bad].keys() == states[bad - 1].keys()
+    changed = [k for k in states[bad] if not torch.equal(states[bad][k], states[bad - 1][k])]
+    assert changed == [], changed
+    # ... while the next step moves them (so the comparison above can fail).
+    assert all(not torch.equal(states[bad + 1][k], states[bad][k]) for k in states[bad] if "exp_avg_sq" in k)
+    # The optimizer counted the steps the test did not spoil: all but one (SDP saves its step counts).
+    counts = {float(v) for k, v in states[steps].items() if k.startswith("optim/step/")}
+    assert counts == ({steps - 1.0} if method == "sdp" else set()), counts
 
 
 def test_max_skipped_stops_cleanly(tmp_path, monkeypatch, capsys):

@@ -3,11 +3,17 @@ full_optimizer_state_dict: rank 0 alone gets the assembled state, equal to what 
 gets by default, and the other ranks never hold more than one chunk of it.
 
 The memory is measured here, independently of the code: a TorchDispatchMode sees every
-tensor any op creates during the call, follows which storages are still referenced (by
-those tensors or views of them) after each op, and reports the peak of their bytes. The
-same count over the default call (every rank gets the whole model) must see at least the
-whole model, so the bound on rank 1 is not one any count would meet.
+tensor an op creates during the call, follows which storages are still referenced (by
+those tensors or views of them) after each op, and reports the peak of their bytes,
+charged to whoever asked for them (host_reads.subnet_ext_caller): the engine's own
+allocations, bounded by one chunk, apart from torch's (torch.distributed's object
+collectives pickle into byte tensors, which the gloo backend may still hold after the
+wait when the machine is loaded), bounded far below the model so that no path through a
+torch helper can hold the model either. The same count over the default call (every rank
+gets the whole model) must see at least the whole model, so the bound on rank 1 is not
+one any count would meet.
 """
+import sys
 import weakref
 
 import pytest
@@ -17,6 +23,7 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import subnet_ext as sx
+from host_reads import subnet_ext_caller
 from sdp_helpers import batch, make_model, value_error
 from subnet_ext.state import full_gather
 from subnet_ext.testing import run_distributed
@@ -25,7 +32,8 @@ CHUNK = 8 * 1024  # small chunks, so a chunk is far less than the model (about 9
 
 
 class PeakNewBytes(TorchDispatchMode):
-    """Peak bytes of storages created inside the mode (by any op) and still referenced.
+    """Peak bytes of storages created inside the mode and still referenced, {"engine": ...,
+    "torch": ...} by who asked for them (subnet_ext's code, or torch's own).
 
     A storage is new when an op returns a tensor whose storage none of the op's inputs
     shares (a view or an in-place result shares its input's); it stays alive while any
@@ -33,32 +41,36 @@ class PeakNewBytes(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.storages = {}  # data_ptr -> (bytes, [weak references to tensors on it])
-        self.peak = 0
+        self.storages = {}  # data_ptr -> (bytes, whose, [weak references to tensors on it])
+        self.peak = {"engine": 0, "torch": 0}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         inputs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs)) if torch.is_tensor(t)}
         out = func(*args, **kwargs)
+        whose = None
         for t in pytree.tree_leaves(out):
             if not torch.is_tensor(t) or t.device.type == "meta":
                 continue
             key = t.untyped_storage().data_ptr()
             entry = self.storages.get(key)
             if entry is not None and self._alive(entry):
-                entry[1].append(weakref.ref(t))
+                entry[2].append(weakref.ref(t))
             elif key not in inputs:
-                self.storages[key] = (t.untyped_storage().nbytes(), [weakref.ref(t)])
-        self.peak = max(self.peak, sum(n for n, refs in self.storages.values() if self._alive((n, refs))))
+                whose = whose or ("engine" if subnet_ext_caller(sys._getframe(1)) else "torch")
+                self.storages[key] = (t.untyped_storage().nbytes(), whose, [weakref.ref(t)])
+        for who in self.peak:
+            held = sum(n for n, w, refs in self.storages.values() if w == who and self._alive((n, w, refs)))
+            self.peak[who] = max(self.peak[who], held)
         return out
 
     @staticmethod
     def _alive(entry) -> bool:
-        return any(r() is not None for r in entry[1])
+        return any(r() is not None for r in entry[2])
 
 
 def measured(fn):
-    """(fn(), peak bytes of the tensors fn created while it ran)."""
+    """(fn(), {"engine": peak bytes, "torch": peak bytes} of the tensors fn's call created)."""
     with PeakNewBytes() as counter:
         result = fn()
     return result, counter.peak
@@ -115,12 +127,15 @@ def test_other_ranks_hold_one_chunk_not_the_model(results):
     bound = max(CHUNK, rank1["largest"])
     assert rank1["model_bytes"] >= 8 * bound, rank1  # the model spans many chunks
     # The count sees the default assembly hold the whole model on rank 1 ...
-    assert rank1["default_peak"] >= rank1["model_bytes"], rank1
-    assert rank1["optim_default_peak"] >= rank1["optim_bytes"], rank1
-    # ... and rank0_only hold at most one chunk there (plus, for the optimizer, the step
-    # counts' all-reduce: 8 bytes per parameter tensor, while the backend may still hold the chunk).
-    assert rank1["rank0_peak"] <= bound, rank1
-    assert rank1["optim_rank0_peak"] <= bound + 1024, rank1
+    assert rank1["default_peak"]["engine"] >= rank1["model_bytes"], rank1
+    assert rank1["optim_default_peak"]["engine"] >= rank1["optim_bytes"], rank1
+    # ... and rank0_only hold at most one chunk there (plus, for the optimizer, a 0-d copy
+    # of a step count at a time), however loaded the machine ...
+    assert rank1["rank0_peak"]["engine"] <= bound, rank1
+    assert rank1["optim_rank0_peak"]["engine"] <= bound + 64, rank1
+    # ... and torch's own buffers of those calls (pickled key lists) stay far below the model.
+    for peak in ("rank0_peak", "optim_rank0_peak"):
+        assert rank1[peak]["torch"] <= rank1["model_bytes"] // 8, rank1
 
 
 def test_a_bad_option_is_refused(results):

@@ -47,12 +47,15 @@ constexpr double kMaxRelErr = 1e-2;
 constexpr double kTargetOfIdeal = 0.85;
 
 // Runs of round(f * n) rows, wrapped around the end as a rank's rolling assignment wraps:
-// [n - a, n) then [0, k - a) (one run when it does not wrap). Flat [start, length, ...].
-static std::vector<int64_t> wrapped_runs(int64_t n, double f) {
-  const int64_t k = std::max<int64_t>(1, static_cast<int64_t>(n * f + 0.5));
-  const int64_t start = n - k / 3;  // a third of the run before the end
-  if (start + k <= n) return {start, k};
-  return {start, n - start, 0, k - (n - start)};
+// [n - a, n) then [0, k - a), a about a third of k. Flat [start, length, ...]. aligned:
+// the wrap point on a multiple of 64 rows (units of 64 neurons, or heads of dimension 64);
+// otherwise on an odd row, so that the first run's view is not 16-byte aligned.
+static std::vector<int64_t> wrapped_runs(int64_t n, double f, bool aligned) {
+  const int64_t k = std::max<int64_t>(2, static_cast<int64_t>(n * f + 0.5));
+  int64_t a = std::max<int64_t>(1, k / 3);
+  a = aligned ? std::max<int64_t>(64, a / 64 * 64) : a | 1;
+  a = std::min(a, k - 1);
+  return {n - a, a, 0, k - a};
 }
 
 static Tensor runs_index(const std::vector<int64_t>& runs, const at::TensorOptions& options) {
@@ -67,12 +70,13 @@ struct Row {
 };
 
 // Part 1: the engine's backward-regime layer with owned row runs.
-static Row engine_row(int64_t B, int64_t I, int64_t O, double f, bool& accurate, const bench::Options& opts) {
+static Row engine_row(int64_t B, int64_t I, int64_t O, double f, bool aligned, bool& accurate,
+                      const bench::Options& opts) {
   const auto opt = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
   const auto f32 = opt.dtype(at::kFloat);
   Tensor x = at::randn({B, I}, opt), w = at::randn({O, I}, opt) * 0.02, b = at::randn({O}, opt);
   Tensor gy = at::randn({B, O}, opt);
-  const std::vector<int64_t> runs = wrapped_runs(O, f);
+  const std::vector<int64_t> runs = wrapped_runs(O, f, aligned);
   const Tensor idx = runs_index(runs, opt.dtype(at::kLong));
   const int64_t kept = idx.size(0);
   const Tensor gy_kept = gy.index_select(1, idx);  // what a gather would make: the ideal's operand
@@ -103,9 +107,9 @@ static Row engine_row(int64_t B, int64_t I, int64_t O, double f, bool& accurate,
   }
   const double flops = 2.0 * B * I * O * 2 + 2.0 * B * I * kept;
   char line[320];
-  std::snprintf(line, sizeof line, "| engine: rows in %zu run(s), grad_W fp32 | %ldx%ld->%ld | %.2f | %.3f | %.3f | - "
-                "| %.1f | %.1f%% | - | %.1e |", runs.size() / 2, B, I, O, f, ours, ideal, flops / ours / 1e9,
-                100.0 * ideal / ours, err);
+  std::snprintf(line, sizeof line, "| engine: 2 row runs (%s), grad_W fp32 | %ldx%ld->%ld | %.2f | %.3f | %.3f | - "
+                "| %.1f | %.1f%% | - | %.1e |", aligned ? "aligned" : "odd start", B, I, O, f, ours, ideal,
+                flops / ours / 1e9, 100.0 * ideal / ours, err);
   return {line, ideal / ours};
 }
 
@@ -169,23 +173,28 @@ static bench::Outcome run(const bench::Options& opts) {
   bench::Outcome outcome;
   std::vector<std::string> verdicts;
   bool met = true;
-  double engine_half = 0, indexed_half = 0;
+  double engine_half = 1, indexed_half = 0;
   for (double f : {0.25, 0.5}) {
-    const Row e = engine_row(B, I, O, f, outcome.accurate, opts);
+    double worst_engine = 1;
+    for (bool aligned : {true, false}) {
+      const Row e = engine_row(B, I, O, f, aligned, outcome.accurate, opts);
+      std::printf("%s\n", e.line.c_str());
+      worst_engine = std::min(worst_engine, e.of_ideal);
+    }
     double speedup = 0;
     const Row a = indexed_row(B, I, O, f, outcome.accurate, opts, &speedup);
-    std::printf("%s\n%s\n", e.line.c_str(), a.line.c_str());
+    std::printf("%s\n", a.line.c_str());
     if (f == 0.5) {
-      const bool engine_ok = e.of_ideal >= kTargetOfIdeal, indexed_ok = a.of_ideal >= kTargetOfIdeal,
+      const bool engine_ok = worst_engine >= kTargetOfIdeal, indexed_ok = a.of_ideal >= kTargetOfIdeal,
                  fast = speedup >= 1.0;
       met = engine_ok && indexed_ok && fast;
-      engine_half = e.of_ideal, indexed_half = a.of_ideal;
+      engine_half = worst_engine, indexed_half = a.of_ideal;
       char line[320];
-      std::snprintf(line, sizeof line, "- f=0.50, engine path (runs): >= %.0f%% of ideal: %s (%.1f%%)\n- f=0.50, "
-                    "arbitrary indices: >= %.0f%% of ideal: %s (%.1f%%); at least as fast as index_select + cuBLAS: "
-                    "%s (%.2fx)", 100 * kTargetOfIdeal, bench::verdict(engine_ok), 100.0 * e.of_ideal,
-                    100 * kTargetOfIdeal, bench::verdict(indexed_ok), 100.0 * a.of_ideal, bench::verdict(fast),
-                    speedup);
+      std::snprintf(line, sizeof line, "- f=0.50, engine path (runs, aligned and odd): >= %.0f%% of ideal: %s "
+                    "(worst %.1f%%)\n- f=0.50, arbitrary indices: >= %.0f%% of ideal: %s (%.1f%%); at least as fast "
+                    "as index_select + cuBLAS: %s (%.2fx)", 100 * kTargetOfIdeal, bench::verdict(engine_ok),
+                    100.0 * worst_engine, 100 * kTargetOfIdeal, bench::verdict(indexed_ok), 100.0 * a.of_ideal,
+                    bench::verdict(fast), speedup);
       verdicts.emplace_back(line);
     }
   }
@@ -194,7 +203,7 @@ static bench::Outcome run(const bench::Options& opts) {
   for (auto& v : verdicts) std::printf("%s\n", v.c_str());
   std::printf("\n(Medians of %d interleaved rounds of CUDA-event times after %d warm-ups. TFLOP/s: the path's own "
               "GEMM FLOPs over its time.)\n", opts.rounds, opts.warmup);
-  std::printf("[summary] f=0.5: engine path %.1f%% of ideal, arbitrary indices %.1f%% (target %.0f%%)\n",
+  std::printf("[summary] f=0.5: engine path (worst) %.1f%% of ideal, arbitrary indices %.1f%% (target %.0f%%)\n",
               100.0 * engine_half, 100.0 * indexed_half, 100 * kTargetOfIdeal);
   return outcome;
 }

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BIN = ROOT / "bench" / "bin"
 # binary -> the first cells of its table's header row
 CPU_BINARIES = {"masked_linear_bench": "| shape | f | ours ms |", "pack_segments_bench": "| tensors | MiB total |"}
-CUDA_BINARIES = {"masked_linear_cuda_bench": "| shape | dtype | f |", "pack_segments_cuda_bench": "| dtype | tensors |"}
+CUDA_BINARIES = {"masked_linear_cuda_bench": "| path | shape | f |", "pack_segments_cuda_bench": "| dtype | tensors |"}
 BUILT_CUDA = CUDA_BINARIES if _build_info.WITH_CUDA else {}
 
 

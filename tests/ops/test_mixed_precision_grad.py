@@ -80,14 +80,15 @@ def test_engine_writes_bf16_gradients_into_fp32_buckets(device, monkeypatch):
     sdp = sx.SubnetDataParallel(model, sx.plan_subnetworks(model, 2, 1.0, "neuron"), regime="backward",
                                 simulate_rank=0)
     seen = []
-    # The weight-gradient kernel, as the masked linear's gradient formula (ops/linear.py) calls it.
-    original = sx.ops.linear.masked_linear_grad_weight_
+    # The weight-gradient kernel on runs, as the engine's owned Linear layers call it.
+    original = sx.ops.masked_linear_grad_runs_
 
-    def spy(out, grad_out, x, *args, **kwargs):
-        seen.append((out.dtype, grad_out.dtype, x.dtype))
-        return original(out, grad_out, x, *args, **kwargs)
+    def spy(weight_out, bias_out, grad_out, x, *args, **kwargs):
+        if weight_out is not None:
+            seen.append((weight_out.dtype, grad_out.dtype, x.dtype))
+        return original(weight_out, bias_out, grad_out, x, *args, **kwargs)
 
-    monkeypatch.setattr(sx.ops.linear, "masked_linear_grad_weight_", spy)
+    monkeypatch.setattr(sx.ops, "masked_linear_grad_runs_", spy)
     x, y = (t.to(device) for t in batch(0, 0, n=64))
     with torch.autocast(device, dtype=torch.bfloat16):
         F.cross_entropy(sdp(x), y).backward()

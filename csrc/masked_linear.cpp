@@ -295,16 +295,22 @@ std::vector<std::pair<int64_t, int64_t>> checked_runs(const char* op, const char
   return runs;
 }
 
-// A 2-D operand as the GEMM reads it at full speed: a strided view when its data is 16-byte
-// aligned and its row stride a multiple of 16 bytes (cuBLAS then reads it in place through
-// its leading dimension); otherwise a contiguous copy. A run that starts at an odd column
-// misaligns the view, and cuBLAS's path for misaligned operands measured 2.5-3.3x slower on
-// an H200 than the aligned one (bench/results/h200/): one memory pass costs far less.
+// A 2-D operand [rows, cols] as the GEMM reads it at full speed: the view itself when its
+// data is 16-byte aligned and its row stride a multiple of 16 bytes (cuBLAS then reads it in
+// place through its leading dimension); otherwise a copy into a buffer whose rows are padded
+// to 16 bytes (a plain contiguous copy of an odd-width run would still have a misaligned
+// row stride). A run starting at an odd column misaligns the view, and cuBLAS's path for
+// misaligned operands ran 2.5-3.3x slower on an H200 than the aligned one
+// (bench/results/h200/): one memory pass costs far less.
 at::Tensor gemm_operand(const at::Tensor& view) {
-  const int64_t elem = view.element_size();
+  const int64_t elem = view.element_size(), lanes = std::max<int64_t>(1, 16 / elem);
   const bool aligned = reinterpret_cast<uintptr_t>(view.const_data_ptr()) % 16 == 0 && view.stride(1) == 1 &&
                        (view.stride(0) * elem) % 16 == 0;
-  return aligned ? view : view.contiguous();
+  if (aligned) return view;
+  const int64_t padded = (view.size(1) + lanes - 1) / lanes * lanes;
+  at::Tensor copy = at::empty({view.size(0), padded}, view.options()).narrow(1, 0, view.size(1));
+  copy.copy_(view);
+  return copy;
 }
 
 int64_t total_length(const std::vector<std::pair<int64_t, int64_t>>& runs) {

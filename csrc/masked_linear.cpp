@@ -295,22 +295,38 @@ std::vector<std::pair<int64_t, int64_t>> checked_runs(const char* op, const char
   return runs;
 }
 
-// A 2-D operand [rows, cols] as the GEMM reads it at full speed: the view itself when its
-// data is 16-byte aligned and its row stride a multiple of 16 bytes (cuBLAS then reads it in
-// place through its leading dimension); otherwise a copy into a buffer whose rows are padded
-// to 16 bytes (a plain contiguous copy of an odd-width run would still have a misaligned
-// row stride). A run starting at an odd column misaligns the view, and cuBLAS's path for
-// misaligned operands ran 2.5-3.3x slower on an H200 than the aligned one
-// (bench/results/h200/): one memory pass costs far less.
-at::Tensor gemm_operand(const at::Tensor& view) {
-  const int64_t elem = view.element_size(), lanes = std::max<int64_t>(1, 16 / elem);
-  const bool aligned = reinterpret_cast<uintptr_t>(view.const_data_ptr()) % 16 == 0 && view.stride(1) == 1 &&
-                       (view.stride(0) * elem) % 16 == 0;
-  if (aligned) return view;
-  const int64_t padded = (view.size(1) + lanes - 1) / lanes * lanes;
-  at::Tensor copy = at::empty({view.size(0), padded}, view.options()).narrow(1, 0, view.size(1));
-  copy.copy_(view);
-  return copy;
+// One GEMM operand: `view` [N, length] holds the columns that go to [offset, offset + length)
+// of the gradient block's rows (grad_out's runs) or columns (x's runs).
+struct RunOperand {
+  at::Tensor view;
+  int64_t offset;
+  int64_t length;
+};
+
+// The runs of t2 [N, width] as GEMM operands. When every run is a view cuBLAS reads at full
+// speed (16-byte aligned data, row stride and width), one strided view per run: no copy.
+// Otherwise the runs are copied side by side into one buffer with 16-byte padded rows, read
+// by a single GEMM: a run starting or ending at an odd column misaligns its view, and the
+// GEMMs on such views ran at 69% of the contiguous ideal on an H200, and still at 84% with
+// each run copied alone (two smaller odd-shaped GEMMs; bench/results/h200/), where one
+// memory pass over the kept columns costs about 1% of the GEMM.
+std::vector<RunOperand> run_operands(const at::Tensor& t2, const std::vector<std::pair<int64_t, int64_t>>& runs) {
+  const int64_t elem = t2.element_size(), lanes = std::max<int64_t>(1, 16 / elem);
+  std::vector<RunOperand> views;
+  int64_t offset = 0;
+  bool aligned = true;
+  for (const auto& [start, length] : runs) {
+    at::Tensor view = t2.narrow(1, start, length);
+    aligned = aligned && reinterpret_cast<uintptr_t>(view.const_data_ptr()) % 16 == 0 && view.stride(1) == 1 &&
+              (view.stride(0) * elem) % 16 == 0 && length % lanes == 0;
+    views.push_back({view, offset, length});
+    offset += length;
+  }
+  if (aligned) return views;
+  const int64_t padded = (offset + lanes - 1) / lanes * lanes;
+  at::Tensor packed = at::empty({t2.size(0), padded}, t2.options()).narrow(1, 0, offset);
+  for (const RunOperand& run : views) packed.narrow(1, run.offset, run.length).copy_(run.view);
+  return {{packed, 0, offset}};
 }
 
 int64_t total_length(const std::vector<std::pair<int64_t, int64_t>>& runs) {
@@ -355,32 +371,30 @@ void masked_linear_grad_runs_impl(const OptTensor& weight_out, const OptTensor& 
   const at::Tensor g2 = as_rows(grad_out, g_width);
   const at::Tensor x2 = as_rows(x, x_width);
   TORCH_CHECK_VALUE(g2.size(0) == x2.size(0), op, ": grad_out has ", g2.size(0), " rows but x has ", x2.size(0));
-  int64_t row = 0;
-  for (const auto& [r_start, r_len] : rows) {
-    const at::Tensor g_run = g2.narrow(1, r_start, r_len);  // [N, r_len], row stride g_width
-    if (weight_out.has_value()) {
-      // Transposed, [r_len, N] with strides (1, ...): column-major for the GEMM.
-      const at::Tensor g_operand = gemm_operand(g_run).t();
-      int64_t col = 0;
-      for (const auto& [c_start, c_len] : cols) {
-        at::Tensor block = weight_out->narrow(0, row, r_len).narrow(1, col, c_len);
-        const at::Tensor x_run = gemm_operand(x2.narrow(1, c_start, c_len));  // [N, c_len]
+  if (weight_out.has_value()) {
+    const std::vector<RunOperand> x_runs = run_operands(x2, cols);
+    for (const RunOperand& g_run : run_operands(g2, rows)) {
+      const at::Tensor g_operand = g_run.view.t();  // [rows, N], column-major for the GEMM
+      for (const RunOperand& x_run : x_runs) {
+        at::Tensor block = weight_out->narrow(0, g_run.offset, g_run.length).narrow(1, x_run.offset, x_run.length);
         if (weight_out->scalar_type() != x.scalar_type()) {
-          k.gemm_float_out(block, g_operand, x_run, accumulate);
+          k.gemm_float_out(block, g_operand, x_run.view, accumulate);
         } else if (accumulate) {
-          block.addmm_(g_operand, x_run);
+          block.addmm_(g_operand, x_run.view);
         } else {
-          at::mm_out(block, g_operand, x_run);
+          at::mm_out(block, g_operand, x_run.view);
         }
-        col += c_len;
       }
     }
-    if (bias_out.has_value()) {
+  }
+  if (bias_out.has_value()) {
+    int64_t row = 0;
+    for (const auto& [r_start, r_len] : rows) {
       at::Tensor bias = bias_out->narrow(0, row, r_len);
-      const at::Tensor sums = at::sum(g_run, {0}, false, bias.scalar_type());
+      const at::Tensor sums = at::sum(g2.narrow(1, r_start, r_len), {0}, false, bias.scalar_type());
       accumulate ? bias.add_(sums) : bias.copy_(sums);
+      row += r_len;
     }
-    row += r_len;
   }
 }
 

@@ -69,8 +69,9 @@ void masked_linear_grad_weight_impl(const at::Tensor& out, const at::Tensor& gra
 // The weight (and bias) gradient of the owned block when the kept indices are unions of
 // contiguous runs (the engine's: a rank owns runs of neurons, heads, channels): no gather,
 // one GEMM per pair of runs on strided views of grad_out and x (cuBLAS on CUDA, reading
-// them through their leading dimension; a view that is not 16-byte aligned, a run starting
-// at an odd column, is copied contiguous first: a memory pass instead of a slow GEMM). out_runs / in_runs: flat host lists
+// them through their leading dimension). Where a run is not 16-byte aligned (it starts or
+// ends at an odd column), the runs are first copied side by side into one padded buffer read
+// by a single GEMM: a memory pass instead of slow GEMMs on misaligned views. out_runs / in_runs: flat host lists
 // [start0, length0, start1, length1, ...] over grad_out's and x's last dimension, in the
 // order of the block's rows / columns; empty: every column. weight_out [sum out lengths,
 // sum in lengths] and bias_out [sum out lengths] are written (or added to, accumulate),

@@ -64,6 +64,9 @@ started=$SECONDS
 phase=""
 
 commit=${GPU_CHECK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo "unknown (no git here; pass GPU_CHECK_COMMIT)")}
+# The device machine's copy of the tree may carry stale git data: the scripts' own provenance
+# lines (bench/provenance.py) take the commit from here too.
+export GPU_CHECK_COMMIT=$commit
 versions=$("$PY" -c "import torch; print(f'torch {torch.__version__}, CUDA {torch.version.cuda or \"none\"} (torch.version.cuda)')" 2>&1 | tail -n 1)
 if ((dry)); then
   device="cpu (dry run)"

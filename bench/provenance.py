@@ -24,7 +24,11 @@ def _git(*args: str) -> str:
 
 def commit() -> str:
     """The checked-out commit (short hash), with "+ uncommitted changes" when tracked files
-    outside bench/results/ differ from it; "unknown" outside a git checkout."""
+    outside bench/results/ differ from it; "unknown" outside a git checkout. A copy of the
+    tree whose git data is not its own (the GPU machine's: bench/gpu_check.sh) names its
+    commit in GPU_CHECK_COMMIT, which wins."""
+    if os.environ.get("GPU_CHECK_COMMIT"):
+        return os.environ["GPU_CHECK_COMMIT"] + " (GPU_CHECK_COMMIT)"
     try:
         head = _git("rev-parse", "--short", "HEAD")
         dirty = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)bench/results")

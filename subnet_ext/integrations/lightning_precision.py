@@ -23,6 +23,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision  # noq
 
 from ..engine.data_parallel import SubnetDataParallel  # noqa: E402
 from ..engine.grad_scaler import GradScaler  # noqa: E402
+from .loss_scaling import agreed_scaler  # noqa: E402
 
 SUPPORTED = ("32-true", "bf16-mixed", "16-mixed")
 
@@ -58,15 +59,6 @@ class SDPMixedPrecision(_WholeModelNormClipping, MixedPrecision):
         if precision == "16-mixed" and not isinstance(scaler, GradScaler):
             scaler = agreed_scaler(scaler, device)
         super().__init__(precision, device, scaler)
-
-
-def agreed_scaler(scaler: torch.amp.GradScaler | None, device: str) -> GradScaler:
-    """A subnet_ext.GradScaler with `scaler`'s settings (torch's defaults when None), in its initial state."""
-    if scaler is None:
-        return GradScaler(device)
-    return GradScaler(device, init_scale=scaler._init_scale, growth_factor=scaler._growth_factor,
-                      backoff_factor=scaler._backoff_factor, growth_interval=scaler._growth_interval,
-                      enabled=scaler._enabled)
 
 
 def for_sdp(plugin: Precision) -> Precision:

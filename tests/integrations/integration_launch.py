@@ -10,6 +10,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -55,3 +56,33 @@ def run_script(script: str, args: list, timeout: float, env: dict | None = None)
 def load_ranks(out_dir: pathlib.Path, mode: str, world_size: int) -> list:
     """[what rank r saved for `mode`, for r in range(world_size)]."""
     return [torch.load(out_dir / f"{mode}-rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def run_ranks(script: str, args: list, world_size: int, timeout: float, log_dir: pathlib.Path) -> None:
+    """Run tests/integrations/<script> as `world_size` processes with torchrun's environment (RANK,
+    LOCAL_RANK, WORLD_SIZE, ...; one shared rendezvous port), as `torchrun --nproc-per-node` would;
+    assert every one succeeded. Output goes to log_dir/<script>-rank<r>.log; when a rank fails,
+    the others (waiting in a collective) are stopped after a few seconds."""
+    base = environment(WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    logs = [open(log_dir / f"{pathlib.Path(script).stem}-rank{r}.log", "w+") for r in range(world_size)]
+    processes = [subprocess.Popen([sys.executable, str(HERE / script), *map(str, args)],
+                                  env=dict(base, RANK=str(r), LOCAL_RANK=str(r)), cwd=ROOT, text=True,
+                                  stdout=logs[r], stderr=subprocess.STDOUT) for r in range(world_size)]
+    deadline, failed_at = time.monotonic() + timeout, None
+    try:
+        while any(p.poll() is None for p in processes) and time.monotonic() < deadline:
+            if failed_at is None and any(p.poll() not in (None, 0) for p in processes):
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() > failed_at + 10:
+                break
+            time.sleep(0.2)
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for rank, (p, log) in enumerate(zip(processes, logs)):
+        log.seek(0)
+        output = log.read()
+        log.close()
+        assert p.returncode == 0, f"rank {rank} of {script} failed (exit {p.returncode}):\n{output[-8000:]}"

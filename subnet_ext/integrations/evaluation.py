@@ -33,7 +33,7 @@ class SubnetworkEnsemble(nn.Module):
         plan: the training's plan (K = plan.world_size subnetworks).
         config: the training's engine options (its regime and scale shape the subnetworks).
 
-    forward(*args, **kwargs) takes the model's inputs and returns the model's output
+    `forward` takes the model's inputs and returns the model's output
     structure (tensors, tuples, dicts, ModelOutputs) with every floating tensor the mean
     over the K subnetworks, in float32 (e.g. logits [B, T, V]); other leaves are the first
     subnetwork's. A model that computes its loss inside its forward gives the mean of the

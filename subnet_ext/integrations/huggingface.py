@@ -38,6 +38,7 @@ import_extra("accelerate", "Hugging Face")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
+import transformers  # noqa: E402
 from transformers import Trainer  # noqa: E402
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME  # noqa: E402
 
@@ -46,6 +47,16 @@ from .evaluation import SubnetworkEnsemble  # noqa: E402
 from .loss_scaling import agreed_scaler  # noqa: E402
 from .options import SDPOptions  # noqa: E402
 
+
+# The Trainer's methods SDPTrainer takes over: the training loop as transformers 5 splits it.
+TRAINER_HOOKS = ("_prepare_for_training", "_finalize_training", "_wrap_model", "_clip_grad_norm", "_get_grad_norm",
+                 "_save", "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler",
+                 "autocast_smart_context_manager", "create_optimizer")
+_missing_hooks = [name for name in TRAINER_HOOKS if not hasattr(Trainer, name)]
+if _missing_hooks:
+    raise ImportError(f"SDPTrainer needs a transformers Trainer with {_missing_hooks} (transformers 5; tested with "
+                      f"5.25), but transformers {transformers.__version__} is installed: pip install -U "
+                      "\"transformers>=5\"")
 
 LOSS_KEYWORDS = ("num_items_in_batch", "shift_labels", "ignore_index")
 
@@ -75,8 +86,10 @@ def _inner(optimizer):
 class SDPTrainer(Trainer):
     """transformers.Trainer that trains the model with SubnetDataParallel instead of DDP.
 
+    The positional and other keyword arguments are transformers.Trainer's (model, args,
+    datasets, collator, callbacks, ...).
+
     Args:
-        *args, **kwargs: as transformers.Trainer's (model, args, datasets, collator, callbacks, ...).
         sdp: the SDPOptions (default SDPOptions(): coverage 0.5, block level, forward regime,
             "full" evaluation).
 

@@ -49,14 +49,16 @@ from .options import SDPOptions, options_from  # noqa: E402
 class SDPStrategy(DDPStrategy):
     """Lightning's DDP strategy with SubnetDataParallel in place of DDP.
 
+    The other arguments (accelerator, parallel_devices, cluster_environment, checkpoint_io,
+    precision_plugin, process_group_backend, timeout, start_method) are DDPStrategy's:
+    start_method "popen" re-runs the script per process, "spawn" starts the processes from
+    the Trainer call.
+
     Args:
         options: an SDPOptions, or instead the same as keywords: coverage (0.5), level
             ("block"), seed, plan, blocks, neuron_groups, sample_input, evaluation ("full"
             or "ensemble": what validation, test and predict run), config, and the engine's
             options (regime ("forward"), sync_every, bucket_cap_mb, timeout, ...).
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
-        process_group_backend, timeout, start_method: as DDPStrategy's ("popen" re-runs the
-            script per process, "spawn" starts processes from the Trainer call).
 
     Attributes:
         sdp_options: the SDPOptions. engine: the SubnetDataParallel while fitting, else None.

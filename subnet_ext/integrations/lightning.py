@@ -65,8 +65,8 @@ class SDPStrategy(DDPStrategy):
         plan: the plan of the current (or last) run, None before the first.
 
     Raises:
-        ValueError (when the Trainer is made): a bad option, a ready plan whose world size is
-        not devices x nodes, an unsupported precision, sync_batchnorm.
+        ValueError: when the Trainer is made, a bad option, a ready plan whose world size is
+        not devices x nodes, or an unsupported precision; when fitting starts, sync_batchnorm.
     """
 
     strategy_name = "sdp"

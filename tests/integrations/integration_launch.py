@@ -23,13 +23,14 @@ LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "N
                       "MASTER_ADDR", "MASTER_PORT")
 
 
-def require_extra(packages: tuple, extra: str) -> None:
-    """Fail (not skip) when an extra's package is missing: `make test` installs the extras, so CI
-    must run these tests; a missing package is a broken environment, not an optional feature."""
+def require_extra(packages: tuple, extras: str) -> None:
+    """Fail (not skip) when a package of the extras ("hf", "lightning,hf") is missing: `make test`
+    installs them, so CI must run these tests; a missing package is a broken environment there,
+    not an optional feature."""
     missing = [p for p in packages if importlib.util.find_spec(p) is None]
     if missing:
-        pytest.fail(f"{', '.join(missing)} not installed: the [{extra}] extra's tests cannot run (pip install -e "
-                    f"'.[{extra}]'; make test installs it)")
+        pytest.fail(f"{', '.join(missing)} not installed: these tests need the [{extras}] extras (pip install -e "
+                    f"'.[{extras}]'; make test installs them)")
 
 
 def environment(**extra) -> dict:

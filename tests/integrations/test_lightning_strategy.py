@@ -154,7 +154,7 @@ def test_ensemble_evaluation(runs):
     """evaluation="ensemble": validation outside fit (block level) and inside fit (neuron level), and
     predict (each rank its own share of the data) against a one-process emulation of the ranks'
     subnetworks."""
-    main = [r for r in runs["main"]]
+    main = runs["main"]
     _, y = _val_data()
     blocks = _ensemble_logits(main[0]["sdp_c05"]["final"], main[0]["sdp_c05"]["plan"], consumers=False)
     assert abs(main[0]["validate_ensemble"] - F.cross_entropy(blocks, y).item()) < 1e-5

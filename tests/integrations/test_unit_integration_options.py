@@ -9,7 +9,7 @@ import pytest
 from integration_launch import ROOT, require_extra
 from sdp_helpers import make_model
 
-require_extra(("lightning", "transformers", "accelerate"), "lightning] and [hf")
+require_extra(("lightning", "transformers", "accelerate"), "lightning,hf")
 
 # K = 2 at coverage 0.5 gives each unit one owner; the planner says so, rightly, every time.
 pytestmark = pytest.mark.filterwarnings("ignore:SubnetPlan. ranks")

@@ -3,8 +3,10 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
-# transformers + safetensors: the optional [hf] extra (--model hf:DIR), installed so CI tests it.
-DEPS := torch numpy ninja pybind11 setuptools wheel pytest hypothesis tqdm matplotlib scikit-learn transformers safetensors
+# transformers + safetensors + accelerate: the optional [hf] extra (--model hf:DIR, SDPTrainer); lightning:
+# the [lightning] extra (SDPStrategy). Installed so CI tests them (tests/integrations/ fails without them).
+DEPS := torch numpy ninja pybind11 setuptools wheel pytest hypothesis tqdm matplotlib scikit-learn transformers safetensors \
+	"accelerate>=1.0,<2" "lightning>=2.4,<3"
 # Real-architecture tests (tests/models/test_real_models.py): CPU wheels; torchvision 0.29 is the build for torch 2.14.
 TEST_DEPS := torchvision timm
 # The documentation (`make docs`, tests/project/test_docs.py): the [docs] extra.

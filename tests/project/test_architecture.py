@@ -1,8 +1,8 @@
 """The package's layering, as a test (pure Python, ast only).
 
-Layers, lowest first: ops < planning < comm < state < engine < cli. A module may import
-its own layer and lower ones. models/ and data/ are leaves: planning, engine and cli
-may import them; they import nothing of ours but each other. subnet_ext/__init__.py and
+Layers, lowest first: ops < planning < comm < state < engine < integrations < cli. A
+module may import its own layer and lower ones. models/ and data/ are leaves: planning,
+engine and cli may import them; they import nothing of ours but each other. subnet_ext/__init__.py and
 testing.py are the top. Also: no import cycle between modules, no module over 400
 lines, no function over 60 lines unless its first body line or the line above its
 `def` is a comment saying why.
@@ -19,7 +19,7 @@ import pathlib
 
 PACKAGE = "subnet_ext"
 ROOT = pathlib.Path(__file__).resolve().parents[2] / PACKAGE
-LAYERS = ["ops", "planning", "comm", "state", "engine", "cli"]
+LAYERS = ["ops", "planning", "comm", "state", "engine", "integrations", "cli"]
 LEAVES = {"models", "data"}
 LEAF_USERS = {"planning", "engine", "cli"}
 TOP = {PACKAGE, f"{PACKAGE}.testing"}

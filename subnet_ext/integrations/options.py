@@ -1,0 +1,121 @@
+"""What an integration needs to know to train with SDP, in one frozen, validated object.
+
+    SDPOptions(coverage=0.5, level="neuron", config=SDPConfig(regime="forward"))
+    options_from(None, {"coverage": 0.5, "level": "neuron", "regime": "forward"})   # the same
+
+Lightning's `SDPStrategy(...)` and Hugging Face's `SDPTrainer(..., sdp=...)` both take
+these options: how to plan (coverage, level, seed, the planner's declarations, or a ready
+plan), how the engine trains (an SDPConfig) and which model evaluation runs ("full": the
+union of the subnetworks; "ensemble": the mean of the ranks' subnetwork outputs). The
+plan itself is made where the world size is known, when training starts (`plan_for`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch.nn as nn
+
+from ..engine.config import OPTIONS as ENGINE_OPTIONS
+from ..engine.config import SDPConfig, config_from
+from ..planning.plan import SubnetPlan, plan_subnetworks
+
+LEVELS = ("block", "neuron")
+EVALUATIONS = ("full", "ensemble")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SDPOptions:
+    """How an integration plans, wraps and evaluates. Frozen: `dataclasses.replace` makes a changed copy.
+
+    Attributes:
+        coverage: C in (0, 1], the fraction of ranks that own each unit (plan_subnetworks').
+        level: "block" (residual blocks) or "neuron" (MLP neurons, attention heads, channels).
+        seed: the planner's seed (relabels the ranks; 0 = identity).
+        plan: a ready SubnetPlan instead of planning (coverage, level and seed then unused);
+            its world size must equal the number of processes.
+        blocks, neuron_groups, sample_input: passed to plan_subnetworks (units the planner
+            does not recognise; one input to balance by FLOPs).
+        evaluation: what validation, test, prediction and evaluation run: "full" (the union
+            of the subnetworks, the original model on the assembled state) or "ensemble"
+            (the mean of the K subnetworks' floating outputs, each rank on its own data).
+        config: the engine's SDPConfig (regime, sync_every, bucket_cap_mb, ...).
+    Raises:
+        ValueError (when made) naming the option, its value and the values it takes.
+    """
+
+    coverage: float = 0.5
+    level: str = "block"
+    seed: int = 0
+    plan: SubnetPlan | None = None
+    blocks: tuple | None = None
+    neuron_groups: tuple | None = None
+    sample_input: object = None
+    evaluation: str = "full"
+    config: SDPConfig = field(default_factory=SDPConfig)
+
+    def __post_init__(self):
+        if not (_is_number(self.coverage) and 0 < self.coverage <= 1):
+            raise ValueError(f"coverage must be a number in (0, 1], got {self.coverage!r}")
+        if self.level not in LEVELS:
+            raise ValueError(f"level must be 'block' or 'neuron', got {self.level!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if self.plan is not None and not isinstance(self.plan, SubnetPlan):
+            raise ValueError(f"plan must be a SubnetPlan (sx.plan_subnetworks or SubnetPlan.from_json), got "
+                             f"{type(self.plan).__name__}")
+        if self.evaluation not in EVALUATIONS:
+            raise ValueError(f"evaluation must be 'full' or 'ensemble', got {self.evaluation!r}")
+        if not isinstance(self.config, SDPConfig):
+            raise ValueError(f"config must be an SDPConfig, got {type(self.config).__name__}")
+        if self.config.shard_shared:
+            raise ValueError("shard_shared=True is not supported by the Lightning and Hugging Face integrations yet "
+                             "(the model is given back unsharded when training ends); use shard_shared=False, or "
+                             "SubnetDataParallel in your own loop")
+
+    def check_world_size(self, world_size: int) -> None:
+        """ValueError when a ready plan was made for another number of processes than `world_size`."""
+        if self.plan is not None and self.plan.world_size != world_size:
+            raise ValueError(f"the plan was made for world size {self.plan.world_size}, but this run has {world_size} "
+                             f"process(es) (devices x nodes); start {self.plan.world_size} processes, or plan for "
+                             f"{world_size} (plan_subnetworks(model, world_size={world_size}, ...), or pass coverage= "
+                             "and level= instead of plan=)")
+
+    def plan_for(self, model: nn.Module, world_size: int) -> SubnetPlan:
+        """The plan for `model` on `world_size` ranks: the ready plan (checked) or a new one.
+        Deterministic from the model's structure and these options, so every rank makes the same."""
+        self.check_world_size(world_size)
+        if self.plan is not None:
+            return self.plan
+        return plan_subnetworks(model, world_size, self.coverage, self.level, seed=self.seed, blocks=self.blocks,
+                                neuron_groups=self.neuron_groups, sample_input=self.sample_input)
+
+
+PLAN_OPTIONS = tuple(f.name for f in dataclasses.fields(SDPOptions) if f.name != "config")
+
+
+def options_from(options: SDPOptions | None, keywords: dict, where: str) -> SDPOptions:
+    """SDPOptions from `options` or from keywords: SDPOptions' fields and the engine's options
+    (SDPConfig's fields, e.g. regime=). TypeError for an unknown keyword, or both forms at once.
+
+    Args:
+        where: the caller's name, for the messages (e.g. "SDPStrategy").
+    """
+    unknown = sorted(set(keywords) - set(PLAN_OPTIONS) - set(ENGINE_OPTIONS) - {"config"})
+    if unknown:
+        raise TypeError(f"{where} got unexpected keyword argument(s) {unknown}; its options are {list(PLAN_OPTIONS)}, "
+                        f"config=SDPConfig(...) or the engine's options {list(ENGINE_OPTIONS)}")
+    if options is not None:
+        if not isinstance(options, SDPOptions):
+            raise TypeError(f"{where}: options must be an SDPOptions, got {type(options).__name__}")
+        if keywords:
+            raise TypeError(f"{where} got both options= and the keywords {sorted(keywords)}; give them in one place: "
+                            "dataclasses.replace(options, ...)")
+        return options
+    engine = {k: v for k, v in keywords.items() if k in ENGINE_OPTIONS}
+    config = config_from(keywords.get("config"), engine)
+    return SDPOptions(config=config, **{k: v for k, v in keywords.items() if k in PLAN_OPTIONS})

@@ -1,0 +1,219 @@
+"""Lightning runs for test_lightning_strategy.py, started as a script so Lightning's own launcher
+(the "ddp"-style popen launcher: rank 0 re-runs this script for rank 1) starts the processes.
+
+    python lightning_runs.py OUT_DIR main      # 2 processes: DDP references and SDP runs
+    python lightning_runs.py OUT_DIR resume    # 1 process: resume main's checkpoint on world size 1
+
+Every Trainer of a mode runs in the same processes, one after the other (Lightning keeps the
+process group between them), so the processes start once. Each rank saves what it recorded to
+OUT_DIR/<mode>-rank<r>.pt; the test compares.
+"""
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.plugins.precision import MixedPrecision
+
+import subnet_ext as sx
+from subnet_ext.integrations.lightning import SDPStrategy
+from subnet_ext.models import ResidualMLP
+
+IN, CLASSES, N_TRAIN, N_VAL, BATCH = 8, 4, 64, 32, 4
+CLIP = 0.1  # below the gradient norms here: every step clips
+
+
+class LitResidual(pl.LightningModule):
+    """A LightningModule as written for DDP: forward, steps, logging, optimizers from self.parameters()."""
+
+    def __init__(self, lr: float = 0.1, optimizer_params: str = "self"):
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = ResidualMLP(IN, CLASSES, width=16, depth=4, hidden=32)
+        self.inject_inf_at_step = None  # (optimizer step, rank): an inf in that rank's owned unit's gradient
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss, sync_dist=True, on_step=True, on_epoch=False)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y), sync_dist=True)
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", F.cross_entropy(self(x), y), sync_dist=True)
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
+    def on_after_backward(self):
+        if self.inject_inf_at_step == (self.trainer.global_step, self.global_rank):
+            engine = self.trainer.strategy.engine
+            owned = next(g.path for g, (a, _) in zip(engine.plan.groups, engine.plan.unit_ranges)
+                         if engine.plan.owners[self.global_rank, a] and engine.plan.owners[:, a].sum() == 1)
+            self.get_submodule(owned).fc1.weight.grad.fill_(float("inf"))
+
+    def configure_optimizers(self):
+        params = self.parameters() if self.hparams.optimizer_params == "self" else self.net.blocks.parameters()
+        return torch.optim.SGD(params, lr=self.hparams.lr, momentum=0.9)
+
+
+def data(n, seed):
+    """Inputs and labels from a fixed random teacher, so a model can learn them."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, IN, generator=g)
+    teacher = torch.randn(IN, CLASSES, generator=torch.Generator().manual_seed(123))
+    return TensorDataset(x, (x @ teacher).argmax(1))
+
+
+def loaders():
+    return (DataLoader(data(N_TRAIN, 1), batch_size=BATCH, shuffle=False),
+            DataLoader(data(N_VAL, 2), batch_size=BATCH, shuffle=False))
+
+
+class Record(Callback):
+    """Every logged loss (after sync_dist), the loss scale, the stem's weight after each batch, the
+    all-reduces each backward issued (counted here, at torch.distributed), and checks at the end."""
+
+    def __init__(self):
+        self.train_loss, self.val_loss, self.scales, self.stem, self.backward_all_reduces = [], [], [], [], []
+        self.end = {}
+        self._calls = None
+
+    def on_before_backward(self, trainer, module, loss):
+        self._calls, all_reduce = [], torch.distributed.all_reduce
+        torch.distributed.all_reduce = lambda *a, **k: self._calls.append(1) or all_reduce(*a, **k)
+        self._all_reduce = all_reduce
+
+    def on_after_backward(self, trainer, module):
+        torch.distributed.all_reduce = self._all_reduce
+        self.backward_all_reduces.append(len(self._calls))
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.train_loss.append(trainer.callback_metrics["train_loss"].item())
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None:
+            self.scales.append(scaler.get_scale())
+        self.stem.append(module.net.stem.weight.detach().clone())
+
+    def on_validation_end(self, trainer, module):
+        if not trainer.sanity_checking:
+            self.val_loss.append(trainer.callback_metrics["val_loss"].item())
+
+    def on_train_end(self, trainer, module):
+        engine = trainer.strategy.engine if isinstance(trainer.strategy, SDPStrategy) else None
+        if engine is not None:
+            try:
+                engine.verify_consistency()  # owners bit-identical (collective)
+                self.end["consistency"] = "consistent"
+            except sx.ConsistencyError as e:
+                self.end["consistency"] = str(e)
+            self.end["full_state"] = engine.full_state_dict()
+            self.end["optimizer"] = engine.full_optimizer_state_dict(trainer.optimizers[0])
+
+
+def fit(strategy, out, name, *, epochs=1, module=None, ckpt_path=None, callbacks=(), **trainer_options):
+    """Fit a fresh LitResidual (seeded: the same on every rank and in every run) and record it."""
+    torch.manual_seed(0)
+    module = module or LitResidual()
+    record = Record()
+    options = dict(accelerator="cpu", devices=trainer_options.pop("devices", 2), max_epochs=epochs, logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                   num_sanity_val_steps=0, limit_val_batches=None)
+    options.update(trainer_options)
+    if any(isinstance(c, ModelCheckpoint) for c in callbacks):
+        options["enable_checkpointing"] = True
+    trainer = pl.Trainer(strategy=strategy, callbacks=[record, *callbacks], **options)
+    train, val = loaders()
+    trainer.fit(module, train, val, ckpt_path=ckpt_path)
+    out[name] = {"train_loss": record.train_loss, "val_loss": record.val_loss, "scales": record.scales,
+                 "backward_all_reduces": record.backward_all_reduces, "stem": record.stem, "final": {k: v.detach().clone() for k, v in module.state_dict().items()},
+                 "plan": strategy.plan.to_json() if isinstance(strategy, SDPStrategy) else None, **record.end}
+    return module
+
+
+def validate(strategy, module, devices=2):
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    return trainer.validate(module, loaders()[1], verbose=False)[0]["val_loss"]
+
+
+def main_runs(out_dir, out):
+    """2 processes: coverage 1 against DDP, then coverage 0.5 with checkpoints, resume, evaluation, precision."""
+    same = dict(accumulate_grad_batches=2)
+    fit("ddp", out, "ddp", **same)
+    fit(SDPStrategy(coverage=1.0, level="neuron", regime="forward"), out, "sdp_c1_neuron_forward", **same)
+    fit(SDPStrategy(coverage=1.0, level="block", regime="backward"), out, "sdp_c1_block_backward", **same)
+    fit("ddp", out, "ddp_clip", gradient_clip_val=0.05, **same)
+    fit(SDPStrategy(coverage=1.0), out, "sdp_c1_clip", gradient_clip_val=0.05, **same)
+    fit("ddp", out, "ddp_bf16", precision="bf16-mixed", **same)
+    fit(SDPStrategy(coverage=1.0, level="neuron"), out, "sdp_c1_bf16", precision="bf16-mixed", **same)
+
+    ckpts = os.path.join(out_dir, "ckpts")
+    every_epoch = ModelCheckpoint(dirpath=ckpts, filename="{epoch}", save_top_k=-1, every_n_epochs=1,
+                                  save_on_train_epoch_end=True)
+    trained = fit(SDPStrategy(coverage=0.5, level="block", regime="forward"), out, "sdp_c05", epochs=3, callbacks=[every_epoch], gradient_clip_val=CLIP, **same)
+    fit(SDPStrategy(coverage=0.5, level="block", regime="forward"), out, "sdp_c05_resumed", epochs=3,
+        ckpt_path=os.path.join(ckpts, "epoch=0.ckpt"), gradient_clip_val=CLIP, **same)
+    out["validate_ddp"] = validate("ddp", trained)  # the plain module given back, under DDP
+    out["validate_ensemble"] = validate(SDPStrategy(coverage=0.5, evaluation="ensemble"), trained)
+    tester = pl.Trainer(strategy=SDPStrategy(coverage=0.5), accelerator="cpu", devices=2, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    out["test_full"] = tester.test(trained, loaders()[1], verbose=False)[0]["test_loss"]
+    predict = pl.Trainer(strategy=SDPStrategy(coverage=0.5, evaluation="ensemble"), accelerator="cpu", devices=2,
+                         logger=False, enable_progress_bar=False)
+    out["predict_ensemble"] = torch.cat(predict.predict(trained, loaders()[1]))
+
+    fit(SDPStrategy(coverage=0.5, level="neuron", evaluation="ensemble"), out, "sdp_c05_neuron_ensemble", **same)
+    try:
+        fit(SDPStrategy(coverage=0.5, level="block", regime="backward"), out, "sdp_c05_backward", **same)
+    except Exception as e:  # recorded, so the other runs' checks still run
+        out["sdp_c05_backward"] = {"error": f"{type(e).__name__}: {e}"}
+    try:
+        torch.manual_seed(0)
+        fit(SDPStrategy(coverage=0.5, level="block", regime="backward"), out, "stale",
+            module=LitResidual(optimizer_params="blocks"))
+    except Exception as e:  # the optimizer guard, at the first step, on every rank
+        out["stale_error"] = f"{type(e).__name__}: {e}"
+
+    torch.manual_seed(0)
+    fp16 = LitResidual()
+    fp16.inject_inf_at_step = (2, 1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)  # low enough that only the injected inf overflows
+    fit(SDPStrategy(coverage=0.5, level="block"), out, "sdp_c05_fp16", module=fp16,
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+
+
+def resume_runs(out_dir, out):
+    """1 process: resume the 2-process coverage-0.5 checkpoint on world size 1."""
+    class Loaded(Callback):
+        def on_train_start(self, trainer, module):
+            engine = trainer.strategy.engine
+            out["loaded_state"] = engine.full_state_dict()
+            out["loaded_optimizer"] = engine.full_optimizer_state_dict(trainer.optimizers[0])
+
+    fit(SDPStrategy(coverage=0.5, level="block", regime="forward"), out, "resumed_k1", epochs=2, devices=1,
+        ckpt_path=os.path.join(out_dir, "ckpts", "epoch=0.ckpt"), callbacks=[Loaded()], accumulate_grad_batches=2)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    out_dir, mode = sys.argv[1], sys.argv[2]
+    results = {}
+    (main_runs if mode == "main" else resume_runs)(out_dir, results)
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    torch.save(results, os.path.join(out_dir, f"{mode}-rank{rank}.pt"))
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    print(f"{sx.__name__} lightning runs: {mode} rank {rank} done", flush=True)

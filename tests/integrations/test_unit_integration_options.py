@@ -1,0 +1,122 @@
+"""The integrations' options and the errors a wrong configuration meets before any process starts:
+SDPOptions, the "sdp" strategy name, unsupported precisions, a plan for another number of
+processes, and the import boundary (importing subnet_ext imports no framework)."""
+import subprocess
+import sys
+
+import pytest
+
+from integration_launch import ROOT, require_extra
+from sdp_helpers import make_model
+
+require_extra(("lightning", "transformers", "accelerate"), "lightning,hf")
+
+# K = 2 at coverage 0.5 gives each unit one owner; the planner says so, rightly, every time.
+pytestmark = pytest.mark.filterwarnings("ignore:SubnetPlan. ranks")
+
+import subnet_ext as sx  # noqa: E402
+from subnet_ext.integrations import SDPOptions  # noqa: E402
+from subnet_ext.integrations._extras import import_extra  # noqa: E402
+from subnet_ext.integrations.options import options_from  # noqa: E402
+
+
+def test_importing_subnet_ext_imports_no_framework():
+    code = ("import sys, subnet_ext, subnet_ext.integrations, subnet_ext.integrations.options, "
+            "subnet_ext.integrations.evaluation; print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('lightning', 'pytorch_lightning', 'transformers', 'accelerate')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_a_missing_extra_names_what_to_install():
+    from unittest import mock
+
+    from subnet_ext.integrations import _extras
+
+    missing = ImportError("No module named 'transformers'")
+    with mock.patch.object(_extras.importlib, "import_module", side_effect=missing):
+        with pytest.raises(ImportError, match=r'needs transformers: pip install "subnet_ext\[hf\]"'):
+            import_extra("transformers", "Hugging Face")
+
+
+def test_options_are_checked_when_made():
+    for bad, message in ((dict(coverage=0), "coverage"), (dict(coverage=1.5), "coverage"),
+                         (dict(level="layer"), "level"), (dict(evaluation="mean"), "evaluation"),
+                         (dict(plan="plan.json"), "plan must be a SubnetPlan"),
+                         (dict(config=sx.SDPConfig(shard_shared=True)), "shard_shared")):
+        with pytest.raises(ValueError, match=message):
+            SDPOptions(**bad)
+
+
+def test_keywords_split_between_planning_and_the_engine():
+    options = options_from(None, {"coverage": 0.25, "level": "neuron", "regime": "backward", "sync_every": 2}, "X")
+    assert (options.coverage, options.level) == (0.25, "neuron")
+    assert options.config == sx.SDPConfig(regime="backward", sync_every=2)
+    with pytest.raises(TypeError, match="unexpected keyword argument"):
+        options_from(None, {"coverge": 0.5}, "X")
+    with pytest.raises(TypeError, match="both options= and the keywords"):
+        options_from(SDPOptions(), {"coverage": 0.5}, "X")
+
+
+def test_a_ready_plan_must_match_the_number_of_processes():
+    plan = sx.plan_subnetworks(make_model(), 2, 0.5, "block")
+    options = SDPOptions(plan=plan)
+    assert options.plan_for(make_model(), 2) is plan
+    with pytest.raises(ValueError, match=r"made for world size 2, but this run has 1 process"):
+        options.plan_for(make_model(), 1)
+
+
+def _trainer(**kwargs):
+    import lightning.pytorch as pl
+
+    options = dict(accelerator="cpu", devices=2, logger=False, enable_progress_bar=False)
+    options.update(kwargs)
+    return pl.Trainer(**options)
+
+
+def test_the_sdp_strategy_name_and_its_defaults():
+    from subnet_ext.integrations.lightning import SDPStrategy, SDPPrecision
+
+    trainer = _trainer(strategy="sdp")
+    assert type(trainer.strategy) is SDPStrategy and trainer.strategy._start_method == "popen"
+    assert trainer.strategy.sdp_options == SDPOptions(coverage=0.5, level="block", evaluation="full")
+    assert trainer.strategy.sdp_options.config.regime == "forward"
+    assert isinstance(trainer.precision_plugin, SDPPrecision)
+    assert _trainer(strategy="sdp_spawn").strategy._start_method == "spawn"
+
+
+def test_lightning_precisions():
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from subnet_ext.integrations.lightning import SDPStrategy
+    from subnet_ext.integrations.lightning_precision import SDPMixedPrecision
+
+    assert isinstance(_trainer(strategy=SDPStrategy(), precision="bf16-mixed").precision_plugin, SDPMixedPrecision)
+    fp16 = _trainer(strategy=SDPStrategy(), plugins=[MixedPrecision("16-mixed", "cpu")]).precision_plugin
+    assert isinstance(fp16, SDPMixedPrecision) and isinstance(fp16.scaler, sx.GradScaler)
+    for precision in ("64-true", "bf16-true", "16-true"):
+        with pytest.raises(ValueError, match=f"does not support precision '{precision}'"):
+            _trainer(strategy=SDPStrategy(), precision=precision)
+
+
+def test_lightning_devices_must_match_a_ready_plan():
+    from subnet_ext.integrations.lightning import SDPStrategy
+
+    plan = sx.plan_subnetworks(make_model(), 2, 0.5, "block")
+    assert _trainer(strategy=SDPStrategy(plan=plan)).strategy.sdp_options.plan is plan
+    with pytest.raises(ValueError, match=r"made for world size 2, but this run has 3 process"):
+        _trainer(strategy=SDPStrategy(plan=plan), devices=3)
+
+
+def test_hf_trainer_checks(tmp_path):
+    from transformers import TrainingArguments
+
+    from subnet_ext.integrations.huggingface import SDPTrainer
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    with pytest.raises(TypeError, match="sdp must be an SDPOptions"):
+        SDPTrainer(model=make_model(), args=args, sdp={"coverage": 0.5})
+    plan = sx.plan_subnetworks(make_model(), 2, 0.5, "block")
+    with pytest.raises(ValueError, match=r"made for world size 2, but this run has 1 process"):
+        SDPTrainer(model=make_model(), args=args, sdp=SDPOptions(plan=plan))

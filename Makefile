@@ -85,9 +85,11 @@ test-torch:
 	@test -n "$(TORCH)" || { echo "make test-torch needs a torch release: make test-torch TORCH=2.11.0" >&2; exit 2; }
 	PYTHON=$(PYTHON) bash .ci/test-torch $(TORCH)
 
-# The study, outside CI (bench/study.py): DDP, FSDP2, checkpointing, stochastic depth and SDP on the
-# Python standard library's sources and on digits, 3 seeds; writes docs/study-cpu.md and its plots
-# (<= 60 min on 2 cores). `bench/study.py --quick` is its 10-minute form.
+# The study, outside CI (bench/study.py): DDP, FSDP2, checkpointing, a dense control, stochastic depth
+# and SDP (with checkpointing too) on the Python standard library's sources and on digits, 5 seeds;
+# writes docs/study-cpu.md, its plots and summary.json, and the generated blocks of README.md and
+# docs/results.md (<= 60 min on 2 quiet cores). `bench/study.py --quick` is its 10-minute form
+# (docs/study-cpu-quick.md).
 .PHONY: study
 study: build
 	$(PY) bench/study.py

@@ -5,11 +5,13 @@ real text (the Python standard library's sources as characters, a nanoGPT-style 
     .venv/bin/python bench/study.py --quick   # the same tables at a reduced size (<= 10 min)
     .venv/bin/python bench/study.py --device cuda   # larger, one GPU per rank (4 GPUs)
 
-What runs and how the protocols are read: study_runs.py. Each world size is launched once
-(study_worker.py); results go to <out>/results/K*/seed*/<run>.json as they finish, so an
-interrupted study continues where it stopped (results of another profile are redone).
-The report (study_report.py) is written from those files: <doc> and its plots beside it,
-in a folder named after it. `--report-only` rewrites the report from the results.
+What runs and how the protocols are read: study_runs.py. The K = 4 ranks are launched once
+(study_worker.py); results go to <out>/results/<task>/K4/seed*/<run>.json as each job finishes,
+so an interrupted study continues where it stopped (results of another profile are redone).
+The report (study_report.py) is written from those files: <doc>, and beside it, in a folder
+named after it, its plots and summary.json; the full CPU study (or --update-docs) also rewrites
+the generated blocks of README.md and docs/results.md from that summary (study_decision.py).
+`--report-only` rewrites the report from the results.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the study_* modules, also in spawned ranks
 
-from study_runs import PROFILES, TASK_WORLDS, TASKS, jobs, result_path, world_sizes  # noqa: E402
+from study_runs import MAIN_K, PROFILES, TASKS, jobs, result_path  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,7 +37,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sizes by name (default: full on cpu, cuda on cuda, quick with --quick; tiny: CI)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 (default: the profile's)")
-    p.add_argument("--main-only", action="store_true", help="skip the K=2 runs")
     p.add_argument("--only", type=lambda v: v.split(","), default=None, metavar="RUN,RUN",
                    help="run only these configurations (and ddp, which the others are read against), e.g. to "
                         "redo a few; the report covers every result present")
@@ -46,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the report's path (default docs/study-cpu.md for the full CPU study, docs/study-cuda.md "
                         "for cuda, else <out>/study.md); plots go to a folder of the same name")
     p.add_argument("--report-only", action="store_true", help="write the report from existing results, train nothing")
+    p.add_argument("--update-docs", action="store_true",
+                   help="also rewrite the generated blocks of README.md and docs/results.md (and the README example's "
+                        "SDP setting) from this report; the default for the full CPU study writing docs/study-cpu.md")
     p.add_argument("--fresh", action="store_true", help="discard the results of earlier invocations")
     return p
 
@@ -61,9 +65,26 @@ def _profile_name(opts) -> str:
 def _default_doc(name: str, device: str, out: str) -> str:
     if name == "full" and device == "cpu":
         return os.path.join("docs", "study-cpu.md")
+    if name == "quick" and device == "cpu":
+        return os.path.join("docs", "study-cpu-quick.md")
     if name == "cuda":
         return os.path.join("docs", "study-cuda.md")
     return os.path.join(out, "study.md")
+
+
+def _doc_blocks(doc: str, requested: bool) -> dict:
+    """{Markdown file: how it links to the report} whose generated blocks this report rewrites: README.md
+    and docs/results.md, for the full CPU study (docs/study-cpu.md) or when requested."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    is_main = os.path.abspath(doc) == os.path.join(root, "docs", "study-cpu.md")
+    if not (requested or is_main):
+        return {}
+    readme, results = os.path.join(root, "README.md"), os.path.join(root, "docs", "results.md")
+    # The report is shown in the documentation through results/study-cpu.md (the README, which the
+    # documentation includes too, links the results page's study section); another report is no page of
+    # the documentation, so the blocks name it without a link.
+    return {readme: "docs/results.md#the-study" if is_main else None,
+            results: "results/study-cpu.md" if is_main else None}
 
 
 def _done(out: str, cfg: dict, profile: dict) -> bool:
@@ -74,12 +95,12 @@ def _done(out: str, cfg: dict, profile: dict) -> bool:
         return json.load(f).get("profile") == profile
 
 
-def _pending(out: str, k: int, seeds: list[int], profile: dict, tasks, only=None) -> list[dict]:
-    """The jobs of world size k with a missing (or other-profile) result; a job's phases rerun with it.
-    only: configuration names to keep (ddp always kept: the others need its FLOPs and time)."""
-    return [j for task in tasks if k in TASK_WORLDS.get(task, (k,)) for j in jobs(task, seeds, k)
+def _pending(out: str, seeds: list[int], profile: dict, tasks, only=None) -> list[dict]:
+    """The jobs with a missing (or other-profile) result; a job's derived runs and phases rerun with it.
+    only: configuration names to keep (ddp always kept: the others need its tokens and FLOPs)."""
+    return [j for task in tasks for j in jobs(task, seeds, MAIN_K, profile["tasks"][task]["runs"])
             if (only is None or j["config"]["name"] in {"ddp", *only})
-            and not all(_done(out, c, profile) for c in [j["config"], *j["phases"]])]
+            and not all(_done(out, c, profile) for c in [j["config"], *j["readers"], *j["phases"]])]
 
 
 def machine() -> dict:
@@ -114,15 +135,13 @@ def run_study(opts) -> dict:
     out = opts.out or os.path.join("runs", f"study-{name}")
     record = {"profile": profile, "seeds": seeds, "out": out, "started": time.time(),
               "machine_at_start": machine(), "launches": []}
-    for k in world_sizes(opts.main_only):
-        todo = _pending(out, k, seeds, profile, opts.tasks, opts.only)
-        if not todo:
-            continue
-        choose_backend("auto", opts.device, k)  # refuses --device cuda with fewer GPUs than ranks, clearly
+    todo = _pending(out, seeds, profile, opts.tasks, opts.only)
+    if todo:
+        choose_backend("auto", opts.device, MAIN_K)  # refuses --device cuda with fewer GPUs than ranks, clearly
         t0 = time.time()
-        print(f"[study] K={k}: {len(todo)} job(s) over seeds {seeds} ...", flush=True)
-        spawn_local(run_group, {"device": opts.device, "profile": profile, "out": out, "jobs": todo}, k)
-        record["launches"].append({"K": k, "jobs": len(todo), "seconds": time.time() - t0})
+        print(f"[study] K={MAIN_K}: {len(todo)} job(s) over seeds {seeds} ...", flush=True)
+        spawn_local(run_group, {"device": opts.device, "profile": profile, "out": out, "jobs": todo}, MAIN_K)
+        record["launches"].append({"K": MAIN_K, "jobs": len(todo), "seconds": time.time() - t0})
     record["seconds"] = time.time() - record["started"]
     record["machine_at_end"] = machine()
     return record
@@ -150,7 +169,7 @@ def main(argv=None) -> int:
     from study_report import write_report
 
     doc = opts.doc or _default_doc(name, opts.device, out)
-    written = write_report(out, doc, record_path, main_only=opts.main_only)
+    written = write_report(out, doc, record_path, _doc_blocks(doc, opts.update_docs))
     print(f"[study] wrote {', '.join(written)}")
     return 0
 

@@ -5,7 +5,8 @@ FLOPs are counted by torch.utils.flop_counter.FlopCounterMode on real training s
 (matrix products, convolutions, attention: the operations with a registered formula).
 The project's masked-linear ops (the backward regime's owned weight gradients) are custom
 ops the counter does not know; `register_masked_linear_flops()` gives them their matrix
-product counts (2 x rows x the product's two widths), so the backward regime's saving of
+product counts (2 x rows x the product's two widths; masked_linear_grad_runs_, the owned weight
+gradient over contiguous runs, 2 x rows x its block), so the backward regime's saving of
 weight-gradient FLOPs is counted, not assumed.
 """
 from __future__ import annotations
@@ -55,6 +56,11 @@ def register_masked_linear_flops() -> None:
     def _grad_weight(out, grad_out, x, out_idx, in_idx, grad_out_full, accumulate, check_indices=True,
                      out_shape=None):
         return 2 * _rows(grad_out) * math.prod(out)
+
+    @register_flop_formula(ops.masked_linear_grad_runs_)
+    def _grad_runs(weight_out, bias_out, grad_out, x, out_runs, in_runs, accumulate, out_shape=None):
+        # weight_out is the owned block [|R|, |S|] (None: the bias alone, no product)
+        return 0 if weight_out is None else 2 * _rows(grad_out) * math.prod(weight_out)
 
     _REGISTERED.append(True)
 

@@ -1,12 +1,11 @@
-"""The study's plots: validation loss against steps, FLOPs and seconds, and memory per rank
-against loss with the Pareto front (lower memory and lower loss) marked."""
+"""The study's plots: validation loss of the stable trajectories against steps and FLOPs (each
+protocol's cooled-down mark drawn as a point), and peak memory per rank against loss with the
+Pareto front (lower memory and lower loss) marked."""
 from __future__ import annotations
 
 import os
 
 from study_results import Results
-
-MIB = 2 ** 20
 
 
 def _plt():
@@ -19,35 +18,43 @@ def _plt():
 
 
 def _families(res: Results, task: str, k: int) -> list[tuple[str, list[str]]]:
-    """(title, runs) per coverage: DDP, stochastic depth and the SDP runs of that coverage."""
-    names = [n for n in res.names(task, k) if "+" not in n]
+    """(title, runs) per coverage: DDP, its dense control, stochastic depth and the SDP runs of that coverage
+    that have a trajectory of their own."""
+    names = [n for n in res.verdict_runs(task, k) if not res.config(task, k, n).get("derived_from")]
     coverages = sorted({n.rsplit("-c", 1)[1] for n in names if n.startswith("sdp-")}, key=float, reverse=True)
-    return [(f"C = {c}", ["ddp"] + [n for n in names if n != "ddp" and n.endswith(f"-c{c}")]) for c in coverages]
+    return [(f"C = {c}", ["ddp"] + [n for n in names if n.endswith(f"-c{c}") or (c == "0.5" and n == "ddp-halfbatch")])
+            for c in coverages]
 
 
 def plot_curves(res: Results, task: str, k: int, folder: str) -> list[str]:
-    """Validation loss (mean over seeds) vs step, FLOPs and training seconds; one column per coverage."""
+    """Validation loss (mean over seeds) vs step and FLOPs; one column per coverage; the marks as points."""
     plt = _plt()
     families = _families(res, task, k)
     if not families:
         return []
-    axes_x = [("step", "optimizer step"), ("flops", "FLOPs (all ranks)"), ("seconds", "training seconds")]
+    axes_x = [("step", "optimizer step"), ("flops", "FLOPs (all ranks)")]
     fig, axes = plt.subplots(len(axes_x), len(families), figsize=(6 * len(families), 3.6 * len(axes_x)), squeeze=False)
     for col, (title, names) in enumerate(families):
         for row, (x, label) in enumerate(axes_x):
             ax = axes[row][col]
             for name in names:
                 xs, ys = res.mean_curve(task, k, name, x)
-                style = "--" if name.startswith("ddp") and name != "ddp" else "-"
-                ax.plot(xs[1:], ys[1:], style, label=name, linewidth=1.2)  # from the first evaluation after init
+                line, = ax.plot(xs[1:], ys[1:], "--" if name.startswith("ddp-") else "-", label=name, linewidth=1.2)
+                for protocol, marker in (("tokens", "o"), ("flops", "s")):
+                    pts = [res.point(task, k, s, name, protocol) for s in res.seeds(task, k, name)]
+                    pts = [p for p in pts if p]
+                    if pts:
+                        ax.scatter([sum(p[x] for p in pts) / len(pts)], [sum(p["loss"]["full"] for p in pts) / len(pts)],
+                                   marker=marker, color=line.get_color(), s=18)
             ax.set_xlabel(label)
-            _label(ax, "val loss (full model)", f"{task}, K={k}, {title}", legend=row == 0)
+            _label(ax, "val loss (full model)", f"{task}, K={k}, {title}; o/□: equal tokens/FLOPs marks after cooldown",
+                   legend=row == 0)
     return [_save(plt, fig, os.path.join(folder, f"{task}-K{k}-curves.png"))]
 
 
 def _label(ax, ylabel: str, title: str, legend: bool = True) -> None:
     ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=9)
+    ax.set_title(title, fontsize=8)
     ax.grid(alpha=0.3)
     if legend:
         ax.legend(fontsize=7)
@@ -67,30 +74,29 @@ def pareto_front(points: list[tuple[float, float, str]]) -> list[tuple[float, fl
     return sorted(front)
 
 
-def memory_points(res: Results, task: str, k: int, protocol: str) -> list[tuple[float, float, float, str]]:
-    """(model state + activations MiB of the worst rank, mean loss, std, run) per run at a protocol."""
+def memory_points(a: dict, protocol: str) -> list[tuple[float, float, float, str]]:
+    """(peak memory per rank x DDP's, mean loss, std, run) of DDP and every run a user could choose."""
     out = []
-    for name in res.names(task, k):
-        c = res.cost(task, k, name)
-        s = res.summary(task, k, name, protocol)
-        if s["n"]:
-            out.append(((c["model_state"] + c["activations"]) / MIB, s["mean"], s["std"], name))
+    for name, e in [("ddp", a["ddp"]), *((n, e) for n, e in a["runs"].items() if not e["config"].get("phase_of"))]:
+        pe = e["protocols"].get(protocol)
+        if pe:
+            out.append((1.0 if name == "ddp" else e["memory"], pe["loss"], pe["std"], name))
     return out
 
 
-def plot_memory_vs_loss(res: Results, task: str, k: int, folder: str) -> list[str]:
-    """Memory per rank vs loss, one point per run, the Pareto front joined; equal iterations and FLOP-matched."""
+def plot_memory_vs_loss(res: Results, a: dict, task: str, k: int, folder: str) -> list[str]:
+    """Peak memory per rank vs loss, one point per run, the Pareto front joined; equal tokens and equal FLOPs."""
     plt = _plt()
-    panels = [("tokens", "equal iterations"), ("flops", "FLOP-matched")]
+    panels = [("tokens", "equal tokens"), ("flops", "equal FLOPs")]
     fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5), squeeze=False)
     for ax, (protocol, title) in zip(axes[0], panels):
-        points = memory_points(res, task, k, protocol)
+        points = memory_points(a, protocol)
         for mem, loss, std, name in points:
             ax.errorbar(mem, loss, yerr=0 if std != std else std, fmt="o", markersize=4, capsize=2)
             ax.annotate(name, (mem, loss), fontsize=6, xytext=(3, 3), textcoords="offset points")
         front = pareto_front([(m, l, n) for m, l, _, n in points])
         ax.plot([p[0] for p in front], [p[1] for p in front], "r-", linewidth=1, label="Pareto front")
         ax.scatter([p[0] for p in front], [p[1] for p in front], s=60, facecolors="none", edgecolors="r")
-        ax.set_xlabel("per-rank memory: model state + activations, MiB (worst rank)")
-        _label(ax, "val loss (full model), mean ± std", f"{task}, K={k}, {title}")
+        ax.set_xlabel("peak memory per rank of one step, × DDP's (worst rank)")
+        _label(ax, "val loss (full model), mean ± std over seeds", f"{task}, K={k}, {title}")
     return [_save(plt, fig, os.path.join(folder, f"{task}-K{k}-memory.png"))]

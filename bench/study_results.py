@@ -1,11 +1,11 @@
 """The study's results, loaded and read the way the tables need them.
 
-`Results(out)` holds every configuration's JSON (study_worker.py) keyed by (task, K,
-seed, run). A run is read at a protocol's mark: "tokens" (its `steps`-th step: equal
-iterations), "flops" (where its FLOPs reach DDP's at `steps`) and "seconds" (where its
-training time reaches DDP's); DDP itself is read at "tokens" for all three. Differences
-to DDP are paired: per seed, the run minus the DDP run of that seed, then mean and
-sample standard deviation over seeds.
+`Results(out)` holds every configuration's JSON (study_worker.py) keyed by (task, K, seed,
+run). A run is read at a protocol's mark ("tokens": equal tokens, "flops": equal FLOPs,
+"seconds": equal wall time, CUDA only), each the end of a cooldown branch. Differences are
+paired: per seed, the run minus the other run of that seed (study_stats.compare).
+Memory is the StepMemoryMeter's peak of one whole step (subnet_ext.engine.memory_meter),
+the worst rank over every seed.
 """
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import os
 import statistics
 
 PROTOCOLS = ("tokens", "flops", "seconds")
-PROTOCOL_TITLES = {"tokens": "equal iterations (tokens)", "flops": "FLOP-matched", "seconds": "equal wall time"}
+PROTOCOL_TITLES = {"tokens": "equal tokens", "flops": "equal FLOPs", "seconds": "equal wall time"}
+MIB = 2 ** 20
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
@@ -24,14 +25,6 @@ def mean_std(values: list[float]) -> tuple[float, float]:
     if not values:
         return math.nan, math.nan
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else math.nan)
-
-
-def _flops_per_step(result: dict) -> float:
-    """FLOPs of a step summed over ranks: the counted first step, or for stochastic depth (whose
-    steps differ) the run's mean."""
-    if result["config"].get("stochastic_depth"):
-        return result["curve"][-1]["flops"] / max(1, result["steps_done"])
-    return result["step_flops"]
 
 
 class Results:
@@ -44,12 +37,13 @@ class Results:
                 r = json.load(f)
             c = r["config"]
             self.runs[(c["task"], c["K"], c["seed"], c["name"])] = r
-        from study_runs import jobs
+        from study_runs import all_configs
 
         self.order = {}  # (task, K) -> run names in the study's order (study_runs.jobs), then any others
-        for (task, k, seed, name) in self.runs:
+        for (task, k, seed, name), r in self.runs.items():
             if (task, k) not in self.order:
-                canonical = [c["name"] for j in jobs(task, [seed], k) for c in [j["config"], *j["phases"]]]
+                runs = r["profile"]["tasks"][task].get("runs", "main")
+                canonical = [c["name"] for c in all_configs(task, [seed], runs)]
                 self.order[(task, k)] = [n for n in canonical
                                          if any(key[:2] == (task, k) and key[3] == n for key in self.runs)]
             if name not in self.order[(task, k)]:
@@ -72,6 +66,20 @@ class Results:
         """Run names of (task, K) in the order they ran."""
         return list(self.order.get((task, k), []))
 
+    def config(self, task, k, name) -> dict:
+        """The configuration of a run (its first seed's)."""
+        return self.get(task, k, self.seeds(task, k, name)[0], name)["config"]
+
+    def verdict_runs(self, task, k) -> list[str]:
+        """Every run but DDP and the final phases: the methods a user could choose."""
+        return [n for n in self.names(task, k) if n != "ddp" and not self.config(task, k, n).get("phase_of")]
+
+    def protocols(self, task, k) -> list[str]:
+        """The protocols DDP was read at (equal wall time on CUDA profiles only)."""
+        seeds = self.seeds(task, k, "ddp")
+        marks = self.get(task, k, seeds[0], "ddp")["marks"] if seeds else {}
+        return [p for p in PROTOCOLS if p in marks]
+
     def seeds(self, task: str, k: int, name: str) -> list[int]:
         """Seeds that ran (task, K, name)."""
         return sorted(s for t, kk, s, n in self.runs if (t, kk, n) == (task, k, name))
@@ -81,21 +89,9 @@ class Results:
         return self.runs.get((task, k, seed, name))
 
     def point(self, task, k, seed, name, protocol: str) -> dict | None:
-        """The curve point of a run at a protocol's mark (DDP, the reference, at "tokens")."""
+        """The point a run was read at for a protocol (the end of its cooldown branch), or None."""
         r = self.get(task, k, seed, name)
-        if r is None:
-            return None
-        mark = "tokens" if name == r["config"]["baseline"] else protocol
-        found = next((p for p in r["curve"] if mark in p["marks"]), None)
-        if found is None and protocol == "seconds":  # stopped before DDP's time (study_worker.TIME_EXTENSION)
-            found = next((p for p in r["curve"] if "seconds_not_reached" in p["marks"]), None)
-        return found
-
-    def not_reached(self, task, k, name, protocol) -> bool:
-        """True when some seed stopped before reaching the protocol's mark (read at its last point)."""
-        return any(self.point(task, k, s, name, protocol) is not None
-                   and f"{protocol}_not_reached" in self.point(task, k, s, name, protocol)["marks"]
-                   for s in self.seeds(task, k, name))
+        return None if r is None else r["marks"].get(protocol)
 
     def value(self, task, k, seed, name, protocol, mode="full", metric="loss"):
         """A run's metric for one model (mode: full, full_scaled, ensemble, full_unscaled,
@@ -108,52 +104,69 @@ class Results:
             return statistics.fmean(per_rank) if per_rank else None
         return p.get(metric, {}).get(mode)
 
+    def diffs(self, task, k, a: tuple, b: tuple, protocol: str, metric: str = "loss",
+              protocol_b: str | None = None) -> list[float]:
+        """Per seed, run a's metric minus run b's, each (run name, model mode); a read at `protocol`,
+        b at `protocol_b` (default the same); seeds where either is missing are left out."""
+        out = []
+        for seed in self.seeds(task, k, a[0]):
+            va = self.value(task, k, seed, a[0], protocol, a[1], metric)
+            vb = self.value(task, k, seed, b[0], protocol_b or protocol, b[1], metric)
+            if va is not None and vb is not None:
+                out.append(va - vb)
+        return out
+
     def summary(self, task, k, name, protocol, mode="full", metric="loss") -> dict:
-        """{"mean", "std", "delta", "delta_std", "n"}: a run's metric over seeds and its paired
-        difference to DDP's full model (the baseline of its world size) at the same protocol."""
-        values, deltas = [], []
-        for seed in self.seeds(task, k, name):
-            v = self.value(task, k, seed, name, protocol, mode, metric)
-            if v is None:
-                continue
-            values.append(v)
-            base = self.value(task, k, seed, "ddp", protocol, "full", metric)
-            if base is not None:
-                deltas.append(v - base)
-        m, s = mean_std(values)
-        dm, ds = mean_std(deltas)
-        return {"mean": m, "std": s, "delta": dm, "delta_std": ds, "n": len(values)}
+        """{"mean", "std", "n"} of a run's metric over seeds at a protocol's mark."""
+        values = [v for s in self.seeds(task, k, name)
+                  if (v := self.value(task, k, s, name, protocol, mode, metric)) is not None]
+        m, sd = mean_std(values)
+        return {"mean": m, "std": sd, "n": len(values)}
+
+    def relative(self, task, k, name, protocol, field: str) -> float:
+        """A run's `field` ("tokens" or "step") at a protocol's mark over DDP's at equal tokens, the mean
+        over seeds (tokens x DDP's, optimizer steps x DDP's)."""
+        ratios = []
+        for s in self.seeds(task, k, name):
+            p, base = self.point(task, k, s, name, protocol), self.point(task, k, s, "ddp", "tokens")
+            if p is not None and base is not None and base[field]:
+                ratios.append(p[field] / base[field])
+        return statistics.fmean(ratios) if ratios else math.nan
 
     def subnetwork_losses(self, task, k, name, protocol) -> list[float]:
         """Each rank's subnetwork loss (rank order), the mean over seeds; [] where none was evaluated."""
-        per_rank = []
-        for seed in self.seeds(task, k, name):
-            p = self.point(task, k, seed, name, protocol)
-            if p and p.get("subnetworks"):
-                per_rank.append(p["subnetworks"]["loss"])
+        per_rank = [p["subnetworks"]["loss"] for s in self.seeds(task, k, name)
+                    if (p := self.point(task, k, s, name, protocol)) and p.get("subnetworks")]
         if not per_rank:
             return []
         return [statistics.fmean(r[i] for r in per_rank) for i in range(len(per_rank[0]))]
 
     def cost(self, task, k, name) -> dict:
-        """Per-rank costs (worst rank, seed 0 or the first seed that ran) and per-step figures."""
+        """Per-rank costs: the metered peak and its split (the worst rank over every seed), the model
+        state held (parameters, gradients, optimizer state), peak RSS, communication, FLOPs and step time."""
         seeds = self.seeds(task, k, name)
-        r = self.get(task, k, seeds[0], name)
-        ranks = r["per_rank"]
-        mem = lambda key: max((x["memory"] or {}).get(key, 0) or 0 for x in ranks)  # noqa: E731
-        times = [self.get(task, k, s, name)["per_rank"] for s in seeds]
-        return {"model_state": mem("model_state"), "parameters": mem("parameters"), "gradients": mem("gradients"),
-                "optimizer_state": mem("optimizer_state"),
-                "activations": max(x["activation_bytes_max"] for x in ranks),
-                "activations_mean": max(x["activation_bytes_mean"] for x in ranks),
+        results = [self.get(task, k, s, name) for s in seeds]
+        ranks = [x for r in results for x in r["per_rank"]]
+        metered = [x for x in ranks if x.get("meter")]
+        worst = max(metered, key=lambda x: x["meter"]["total"]) if metered else {"meter": {}}
+        held = lambda key: max((x["memory"] or {}).get(key, 0) or 0 for x in ranks)  # noqa: E731
+        first = results[0]
+        return {"peak": worst["meter"].get("total", math.nan),
+                **{key: worst["meter"].get(key, math.nan) for key in ("model_state", "activations", "transient")},
+                "peak_phase": worst["meter"].get("peak_phase"), "meter_source": worst["meter"].get("source"),
+                "held_model_state": held("model_state"), "parameters": held("parameters"),
+                "gradients": held("gradients"), "optimizer_state": held("optimizer_state"),
                 "peak_rss": max(x["peak_rss_bytes"] for x in ranks),
-                "comm_bytes_per_step": r["comm"].get("bytes_per_step"),
-                "collectives_per_step": r["comm"].get("collectives_per_step"),
-                "comm_source": r["comm"].get("source", ""),
-                "step_flops": _flops_per_step(r), "reference_rank_flops": r["reference"]["rank_flops"],
-                "step_time_s": statistics.median(max(x["step_time_s"] for x in pr) for pr in times),
-                "steps_done": [self.get(task, k, s, name)["steps_done"] for s in seeds],
-                "capped": any(self.get(task, k, s, name)["capped"] for s in seeds)}
+                "comm_bytes_per_step": first["comm"].get("bytes_per_step"),
+                "collectives_per_step": first["comm"].get("collectives_per_step"),
+                "comm_source": first["comm"].get("source", ""),
+                "step_flops": first["step_flops"], "reference_rank_flops": first["reference"]["rank_flops"],
+                "step_time_s": statistics.median(max(x["step_time_s"] for x in r["per_rank"]) for r in results),
+                "capped": any(r["capped"] for r in results)}
+
+    def memory_ratio(self, task, k, name, other: str = "ddp") -> float:
+        """A run's metered peak per rank over another's (DDP's by default)."""
+        return self.cost(task, k, name)["peak"] / self.cost(task, k, other)["peak"]
 
     def steps_at(self, task, k, name, protocol) -> list[int]:
         """The step of each seed's mark for a protocol."""
@@ -161,33 +174,12 @@ class Results:
                 if (p := self.point(task, k, s, name, protocol)) is not None]
 
     def mean_curve(self, task, k, name, x: str = "step", mode: str = "full", metric: str = "loss"):
-        """([x], [metric]) averaged over seeds at the steps every seed evaluated (protocol marks
-        fall at different steps per seed; the evaluation grid is common)."""
+        """([x], [metric]) of the stable trajectory (constant rate, no cooldown), averaged over seeds at
+        the steps every seed evaluated; empty for runs without their own trajectory (derived runs)."""
         curves = [{p["step"]: p for p in self.get(task, k, s, name)["curve"]} for s in self.seeds(task, k, name)]
+        if not curves or not all(curves):
+            return [], []
         steps = sorted(set.intersection(*(set(c) for c in curves)))
         xs = [statistics.fmean(c[step][x] for c in curves) for step in steps]
         ys = [statistics.fmean(c[step][metric][mode] for c in curves) for step in steps]
         return xs, ys
-
-
-def paired(res: Results, task: str, k: int, a: tuple, b: tuple, protocol: str = "tokens", metric: str = "loss"):
-    """(mean, std, n) over seeds of run a's metric minus run b's, each (run name, model mode), both read at
-    `protocol`'s mark; seeds where either is missing are left out."""
-    diffs = []
-    for seed in res.seeds(task, k, a[0]):
-        va = res.value(task, k, seed, a[0], protocol, a[1], metric)
-        vb = res.value(task, k, seed, b[0], protocol, b[1], metric)
-        if va is not None and vb is not None:
-            diffs.append(va - vb)
-    m, s = mean_std(diffs)
-    return m, s, len(diffs)
-
-
-def significant(mean: float, std: float, n: int) -> bool:
-    """A paired t-test at the 5% level, two-sided: |mean| larger than Student's t quantile (n - 1
-    degrees of freedom; 4.30 for 3 seeds) times its standard error. False with fewer than 2 seeds."""
-    from scipy.stats import t
-
-    if n < 2 or math.isnan(std):
-        return False
-    return abs(mean) > t.ppf(0.975, n - 1) * std / math.sqrt(n)

@@ -49,6 +49,8 @@ GPT_PRESETS = {
     "tiny": GPTConfig(block_size=64, vocab_size=128, n_layer=2, n_head=2, n_embd=32),
     "small": GPTConfig(block_size=128, vocab_size=128, n_layer=4, n_head=4, n_embd=128),
     "medium": GPTConfig(block_size=256, vocab_size=128, n_layer=6, n_head=6, n_embd=192),
+    # small's parameter count in 16 blocks: block-level SDP at C = 0.5 keeps 8 blocks per subnetwork
+    "deep": GPTConfig(block_size=128, vocab_size=128, n_layer=16, n_head=4, n_embd=64),
 }
 
 

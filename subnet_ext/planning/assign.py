@@ -13,12 +13,17 @@ K distinct owner sets per group. The whole group is then rotated by the offset t
 keeps the running per-rank load (bytes and FLOPs) lowest, so ranks that got the extra
 unit in one group do not get it again in the next.
 
-Block level: equal blocks (in bytes and FLOPs) get rolling windows of r ranks; unequal
-blocks go largest first to the r least-loaded ranks, the load being bytes and FLOPs
+Block level (`block_assignment="rolling"`, the default): equal blocks (in bytes and FLOPs)
+get rolling windows of r ranks; unequal blocks go largest first to the r least-loaded ranks, the load being bytes and FLOPs
 each normalised by its total and summed. Greedy balancing tends to pair the same
 ranks again and again (at K=4, r=2 the ResNet-18 blocks fall into {0,1} and {2,3}), so
 while the rank graph (ranks sharing a block) is disconnected, two blocks in different
 components swap one owner each — the swap that keeps the largest load lowest.
+`block_assignment="contiguous"` gives each rank runs of neighbouring blocks instead: the
+neuron level's pattern over the blocks in model order (rank q owns the cyclic window of
+chunks q, ..., q+r-1), so every pair of adjacent blocks but one wrap is trained together
+by some rank; balanced by block count, not by bytes. `block_pairs_covered` counts what a
+plan trains together.
 """
 from __future__ import annotations
 
@@ -65,9 +70,19 @@ def assign_neurons(ranges, k: int, r: int, unit_weight: torch.Tensor) -> torch.T
     return owners
 
 
-def assign_blocks(unit_bytes: torch.Tensor, unit_flops: torch.Tensor, k: int, r: int) -> torch.Tensor:
-    """Owner matrix bool [k, blocks] from each block's bytes and FLOPs (float64 [blocks])."""
+BLOCK_ASSIGNMENTS = ("rolling", "contiguous")
+
+
+def assign_blocks(unit_bytes: torch.Tensor, unit_flops: torch.Tensor, k: int, r: int,
+                  kind: str = "rolling") -> torch.Tensor:
+    """Owner matrix bool [k, blocks] from each block's bytes and FLOPs (float64 [blocks]);
+    kind: "rolling" (balanced windows of owners) or "contiguous" (runs of neighbouring blocks)."""
+    if kind not in BLOCK_ASSIGNMENTS:
+        raise ValueError(f"block_assignment must be one of {', '.join(BLOCK_ASSIGNMENTS)}, got {kind!r}")
     n = len(unit_bytes)
+    if kind == "contiguous":
+        # the pattern gives chunk i to ranks i..i+r-1; rolled so that rank q holds chunks q..q+r-1
+        return torch.from_numpy(np.roll(_group_pattern(n, k, r), 1 - r, axis=0).copy())
     owners = torch.zeros(k, n, dtype=torch.bool)
     equal = n and bool((unit_bytes == unit_bytes[0]).all()) and bool((unit_flops == unit_flops[0]).all())
     if equal:
@@ -145,3 +160,15 @@ def _join_components(owners: torch.Tensor, weight: np.ndarray, load: np.ndarray)
         load[b] += weight[u] - weight[v]
         sets[u] = torch.nonzero(owners[:, u]).flatten().tolist()
         sets[v] = torch.nonzero(owners[:, v]).flatten().tolist()
+
+
+def block_pairs_covered(owners: torch.Tensor) -> dict:
+    """What a block-level owner matrix (bool [K, blocks], blocks in model order) trains together:
+    {"adjacent": pairs (u, u+1) some rank holds both of, "adjacent_total": blocks - 1,
+    "pairs": unordered pairs some rank holds both of, "pairs_total": blocks x (blocks - 1) / 2,
+    "per_rank": [sorted block indices held by rank q]}."""
+    n = owners.shape[1]
+    held = [set(torch.nonzero(owners[q]).flatten().tolist()) for q in range(owners.shape[0])]
+    together = {(u, v) for h in held for u in h for v in h if u < v}
+    return {"adjacent": sum((u, u + 1) in together for u in range(n - 1)), "adjacent_total": max(0, n - 1),
+            "pairs": len(together), "pairs_total": n * (n - 1) // 2, "per_rank": [sorted(h) for h in held]}

@@ -306,7 +306,7 @@ def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name.replace("torch.", ""))
 
 
-def _assign(level, k, r, groups, ranges, flops, **tensors) -> torch.Tensor:
+def _assign(level, k, r, groups, ranges, flops, block_assignment="rolling", **tensors) -> torch.Tensor:
     """Owner matrix bool [k, units] before the seed's relabelling, balanced on the units' costs.
 
     tensors: shapes, dtypes, shared, param_names of the model (what SubnetPlan._costs reads).
@@ -317,7 +317,7 @@ def _assign(level, k, r, groups, ranges, flops, **tensors) -> torch.Tensor:
                         units=[None] * ranges[-1][1])
     tmp._costs(flops)
     if level == "block":
-        return assign_blocks(tmp.unit_bytes, tmp.unit_flops, k, r)
+        return assign_blocks(tmp.unit_bytes, tmp.unit_flops, k, r, block_assignment)
     weight = torch.zeros(len(tmp.units), dtype=torch.float64)
     for cost in (tmp.unit_bytes, tmp.unit_flops):
         if float(cost.sum()) > 0:
@@ -335,7 +335,7 @@ def _unit_ranges(groups) -> list[tuple[int, int]]:
 
 
 def plan_subnetworks(model: nn.Module, world_size: int, coverage: float, level: str = "block", seed: int = 0,
-                     blocks=None, neuron_groups=None, sample_input=None) -> SubnetPlan:
+                     blocks=None, neuron_groups=None, sample_input=None, block_assignment="rolling") -> SubnetPlan:
     """Plan which rank trains which part of `model`.
 
     Args:
@@ -350,6 +350,8 @@ def plan_subnetworks(model: nn.Module, world_size: int, coverage: float, level: 
             or ((1, seq_len), torch.long): FLOPs are traced from one forward of it on the meta device
             (nothing allocated). Without it FLOPs are 2 x parameters, which ignores a convolution's
             spatial size.
+        block_assignment: block level: "rolling" (balanced owner windows) or "contiguous" (each rank
+            trains runs of neighbouring blocks); see assign.py.
 
     Raises:
         ValueError: bad arguments, no unit at that level, or a plan that fails its checks.
@@ -382,8 +384,8 @@ def plan_subnetworks(model: nn.Module, world_size: int, coverage: float, level: 
     if sample_input is not None:
         unit_flops, shared_flops, source = trace_unit_flops(model, groups, sample_input)
         flops = {"unit": unit_flops.tolist(), "shared": shared_flops, "source": source}
-    owners = _assign(level, k, r, groups, ranges, flops, shapes=shapes, dtypes=dtypes, shared=shared,
-                     param_names=plan._param_names)
+    owners = _assign(level, k, r, groups, ranges, flops, block_assignment, shapes=shapes, dtypes=dtypes,
+                     shared=shared, param_names=plan._param_names)
     if seed:
         perm = list(range(k))
         random.Random(seed).shuffle(perm)

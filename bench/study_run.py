@@ -1,0 +1,273 @@
+"""One training run of the study: the wrapped model, its optimizer, its learning-rate schedule,
+its counters (step, tokens, FLOPs, training seconds), one metered step, and the snapshots its
+cooldown branches start from.
+
+The schedule is warmup-stable-decay: a linear warmup, then the constant rate of the stable
+trajectory; a cooldown branch (study_runs.py) restores the snapshot taken at its first step
+and decays the rate linearly to 1/d of it over its d steps. Everything a step reads is a
+pure function of the step number (the batches, stochastic depth's draws), so a branch
+restored at step b trains exactly as a run that had decayed from b.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+import types
+
+import torch
+import torch.distributed as dist
+
+from study_measure import counting_flops
+from study_runs import batch_size_of, training_overrides
+from subnet_ext.cli.arguments import training_args
+from subnet_ext.cli.loop import make_method
+from subnet_ext.cli.methods import SDPMethod
+from subnet_ext.cli.stochastic_depth import StochasticDepth
+from subnet_ext.cli.training import OptimizerStep, apply_activation_checkpointing, make_optimizer
+from subnet_ext.engine.guard import NonFiniteGuard
+from subnet_ext.engine.memory_meter import StepMemoryMeter
+
+TRAIN_LOSSES = 8  # the training loss of this many first steps of the stable trajectory is recorded
+
+
+def lr_factor(step: int, warmup: int, cooldown: tuple[int, int] | None = None) -> float:
+    """The learning rate of optimizer step `step` (0-based) as a fraction of the peak: (step + 1) /
+    warmup during the warmup, 1 on the stable trajectory, and in a cooldown branch (first, end)
+    (end - step) / (end - first): 1 at its first step, 1/d at its last (d = end - first)."""
+    if cooldown is not None and cooldown[0] <= step < cooldown[1]:
+        return (cooldown[1] - step) / (cooldown[1] - cooldown[0])
+    return (step + 1) / warmup if step < warmup else 1.0
+
+
+def linear_drop_rates(blocks: int, coverage: float) -> list[float]:
+    """Stochastic depth's linearly increasing schedule (Huang et al. 2016: drop l/L x (1 - p_L) for
+    block l = 1..L), scaled so the mean drop over the blocks is 1 - coverage (SDP's share of blocks
+    skipped): block l (1-based) drops with probability 2 (1 - C) l / (L + 1)."""
+    rates = [2 * (1 - coverage) * (i + 1) / (blocks + 1) for i in range(blocks)]
+    if max(rates, default=0.0) >= 1.0:
+        raise ValueError(f"linear stochastic depth at coverage {coverage} drops block {blocks} always; "
+                         "use a coverage of at least 0.5")
+    return rates
+
+
+class _BlockSurvival:
+    """What one branch's evaluation hook reads: its own block's survival probability, and the
+    controller's switch (StochasticDepth.scale_at_eval)."""
+
+    def __init__(self, controller, survival: float):
+        self.controller, self.survival = controller, survival
+
+    @property
+    def scale_at_eval(self) -> bool:
+        """The controller's switch: scale at evaluation or not."""
+        return self.controller.scale_at_eval
+
+
+class LinearStochasticDepth(StochasticDepth):
+    """StochasticDepth with a drop rate per block (`drops`, in block order); at evaluation each
+    residual branch is scaled by its own block's survival probability (the paper's rule)."""
+
+    def __init__(self, model, drops: list[float], seed: int, rank: int):
+        super().__init__(model, sum(drops) / len(drops), seed, rank)
+        if len(drops) != len(self.blocks):
+            raise ValueError(f"{len(drops)} drop rates for {len(self.blocks)} blocks")
+        self.drops = torch.tensor(drops, dtype=torch.float64)
+        from subnet_ext.cli.stochastic_depth import _ScaleAtEval, residual_branches
+
+        for (path, names), drop in zip(residual_branches(model).items(), drops):
+            for name in names:
+                for hook in model.get_submodule(path).get_submodule(name)._forward_hooks.values():
+                    if isinstance(hook, _ScaleAtEval):
+                        hook.controller = _BlockSurvival(self, 1.0 - drop)
+
+    def kept_blocks(self, step: int, rank: int) -> list[bool]:
+        """Which blocks rank `rank` keeps at step `step`: the base class's draws against each block's rate."""
+        from subnet_ext.cli.checkpointing import stream_seed
+
+        generator = torch.Generator().manual_seed(stream_seed(self.seed, step, rank) ^ 0x5D)
+        return (torch.rand(len(self.blocks), generator=generator, dtype=torch.float64) >= self.drops).tolist()
+
+
+def _make_method(args, cfg: dict, model, device, stochastic):
+    """make_method, except an SDP plan with a non-default block assignment (planned here)."""
+    if cfg["method"] != "sdp" or cfg.get("assignment", "rolling") == "rolling":
+        return make_method(args, model, device, stochastic)
+    from subnet_ext.cli.plan import sample_input_for
+    from subnet_ext.planning.plan import plan_subnetworks
+
+    sample = sample_input_for(args.model, model, args.seq_len, args.data)
+    plan = plan_subnetworks(model, world_size=dist.get_world_size(), coverage=args.coverage, level=args.level,
+                            seed=args.seed, sample_input=sample, block_assignment=cfg["assignment"])
+    return SDPMethod(model, plan, args.regime, args.sync_every, args.scale, timeout=args.timeout)
+
+
+class Run:
+    """One training run of configuration `cfg` (study_runs.py) on this rank; collective to build."""
+
+    def __init__(self, cfg: dict, profile: dict, device, task, reference: dict):
+        self.cfg, self.device, self.task, self.reference = cfg, device, task, reference
+        self.sizes = profile["tasks"][cfg["task"]]
+        self.batch_size = batch_size_of(cfg, self.sizes)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.args = training_args(**training_overrides(cfg, self.sizes, profile["timeout"], device.type))
+        torch.manual_seed(cfg["seed"])  # the same initial model on every rank
+        model = task.make_model().to(device)
+        if cfg.get("activation_checkpointing"):
+            apply_activation_checkpointing(model)
+        self.stochastic = None
+        if cfg.get("stochastic_depth"):
+            if cfg.get("sd_schedule") == "linear":
+                blocks = len(reference["blocks"])
+                self.stochastic = LinearStochasticDepth(model, linear_drop_rates(blocks, 1 - cfg["stochastic_depth"]),
+                                                        cfg["seed"], self.rank)
+            else:
+                self.stochastic = StochasticDepth(model, cfg["stochastic_depth"], cfg["seed"], self.rank)
+        self.method = _make_method(self.args, cfg, model, device, self.stochastic)
+        self.optimizer = make_optimizer(self.method.parameters(), self.args)
+        self.step, self.flops, self.seconds, self.steps_taken = 0, 0.0, 0.0, 0
+        self.cooldown = None  # (first step, end step) of the cooldown branch being trained
+        self.step_flops = self.counted_step_flops = None
+        self.meter_at, self.meter, self.memory, self.times = None, None, None, []
+        self.curve, self.marks, self.train_losses = [], {}, {}
+        self._counted = False
+        self.started, self.cpu_started = time.perf_counter(), time.process_time()
+
+    # ------------------------------------------------------------------ stepping
+    def _stepper(self) -> OptimizerStep:
+        if not hasattr(self, "_optimizer_step"):
+            guard = NonFiniteGuard(None, timeout=self.args.timeout)
+            self._optimizer_step = OptimizerStep(self.method, self.optimizer, guard, self.args, self.device,
+                                                 taken=self.step)
+            self._optimizer_step.scheduler = types.SimpleNamespace(step=lambda: None)  # the rate is set per step
+        return self._optimizer_step
+
+    def step_once(self) -> None:
+        """One optimizer step at the schedule's rate; the run's first step is counted by FlopCounterMode,
+        the step `meter_at` by the StepMemoryMeter (neither is timed)."""
+        stepper = self._stepper()
+        factor = lr_factor(self.step, self.sizes["warmup_steps"], self.cooldown)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.args.lr * factor
+        counting = not self._counted
+        metering = self.step == self.meter_at and self.meter is None
+        counter = counting_flops() if counting else None
+        meter = StepMemoryMeter([self.method.module], [self.optimizer], self.device) if metering else None
+        task = self.task
+        if metering:  # the batch fetched outside the meter: the dataset's storage is not the step's memory
+            task = _Prefetched(self.task, self.task.batch(self.step, self.rank, self.world))
+        t0 = time.perf_counter()
+        with contextlib.ExitStack() as stack:
+            for context in (meter, counter):  # both on one step only when a branch is that short
+                if context is not None:
+                    stack.enter_context(context)
+            loss = stepper.accumulate(task, self.step, self.rank, self.world)
+            stepper.finish(self.step + 1)  # the study never skips a step
+        if self.cooldown is None and self.step < TRAIN_LOSSES and self.step not in self.train_losses:
+            self.train_losses[self.step] = float(loss)  # the first steps' losses: derived runs are checked on them
+        # Gradients still held: the largest over the run (AdamW creates its state at the first update).
+        memory = self.method.memory(self.optimizer)
+        if self.memory is None or memory["model_state"] > self.memory["model_state"]:
+            self.memory = memory
+        self.method.after_step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        if counting:
+            self._counted = True
+            self.counted_step_flops = float(counter.get_total_flops())
+            self.step_flops = _all_sum(self.counted_step_flops, self.device)
+        if metering:
+            self.meter = dict(meter.result(), step=self.step)
+        if not counting and not metering:
+            self.times.append(dt)
+        self.seconds += self.step_time() if counting or metering else dt  # untimed steps count as typical ones
+        self.flops += self.flops_of_step(self.step)
+        self.step += 1
+        self.steps_taken += 1
+
+    def step_time(self) -> float:
+        """The median of this run's timed steps so far (0 before the first)."""
+        t = sorted(self.times)
+        return t[len(t) // 2] if t else 0.0
+
+    def flops_of_step(self, step: int) -> float:
+        """FLOPs of optimizer step `step` summed over ranks: the counted first step, or with stochastic
+        depth the full model's minus the blocks each rank drops at that step (a function of the step)."""
+        if self.stochastic is None:
+            return self.step_flops
+        blocks = list(self.reference["blocks"].values())
+        return sum(self.reference["rank_flops"] - sum(f for f, k in zip(blocks, self.stochastic.kept_blocks(step, r))
+                                                      if not k) for r in range(self.world))
+
+    def tokens_at(self, step: int) -> int:
+        """Training tokens (or samples) of all ranks after `step` steps."""
+        return step * self.world * self.batch_size * self.sizes["seq_len"]
+
+    # ------------------------------------------------------------------ branches
+    def _state_tensors(self) -> list:
+        module = self.method.module
+        return [getattr(t, "_local_tensor", t) for t in [*module.parameters(), *module.buffers()]]
+
+    def snapshot(self) -> dict:
+        """This rank's parameters, buffers, optimizer state and counters, to branch from later."""
+        return {"tensors": [t.detach().clone() for t in self._state_tensors()],
+                "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+                "counters": (self.step, self.flops, self.seconds)}
+
+    @torch.no_grad()
+    def restore(self, snap: dict) -> None:
+        """Back to a snapshot of this run (every rank restores its own, taken at the same step)."""
+        for t, saved in zip(self._state_tensors(), snap["tensors"], strict=True):
+            t.copy_(saved)
+        self.optimizer.load_state_dict(copy.deepcopy(snap["optimizer"]))
+        self.step, self.flops, self.seconds = snap["counters"]
+        if self.stochastic is not None:
+            self.stochastic.step = self.step
+
+    # ------------------------------------------------------------------ what a result records
+    def global_seconds(self) -> float:
+        """Training seconds so far of the slowest rank (collective)."""
+        t = torch.tensor([self.seconds], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    def measurements(self) -> dict:
+        """This rank's costs: the metered step's peak memory and its split, the model state held,
+        peak RSS, the counted step's FLOPs, the median step time, CPU seconds."""
+        from subnet_ext.cli.methods import proc_status_bytes
+
+        return {"rank": self.rank, "meter": self.meter, "memory": self.memory,
+                "peak_rss_bytes": proc_status_bytes("VmHWM"), "counted_step_flops": self.counted_step_flops,
+                "cpu_seconds": time.process_time() - self.cpu_started, "step_time_s": self.step_time(),
+                "timed_steps": len(self.times), "steps_taken": self.steps_taken, "train_losses": self.train_losses}
+
+    def close(self) -> None:
+        """Destroy the owner-set process groups SDP made (a long study would otherwise accumulate them)."""
+        sdp = getattr(self.method, "sdp", None)
+        groups = getattr(getattr(sdp, "_comm", None), "groups", {}) or {}
+        for group in {id(g): g for g in groups.values()}.values():
+            if group is not dist.group.WORLD and group is not None:
+                dist.destroy_process_group(group)
+
+
+class _Prefetched:
+    """A task whose batch was fetched already (one micro-batch per step: the study never accumulates)."""
+
+    def __init__(self, task, batch):
+        self.task, self.fetched = task, batch
+
+    def batch(self, *args, **kwargs):
+        """The fetched (inputs, targets)."""
+        return self.fetched
+
+    def loss(self, output, targets):
+        """The task's loss."""
+        return self.task.loss(output, targets)
+
+
+def _all_sum(value: float, device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return float(t.item())

@@ -133,7 +133,6 @@ def _mlp_flops(batch, blocks_forward, blocks_weight_grad, hidden=512, width=128,
 
 def test_flops_are_the_layers_products(study):
     out, _, _ = study
-    from study_run import LinearStochasticDepth  # noqa: F401  (the uniform schedule is the CLI's)
     from subnet_ext.cli.stochastic_depth import StochasticDepth
 
     b = PROFILE["tasks"]["digits"]["batch_size"]
@@ -246,8 +245,15 @@ def test_a_restored_cooldown_branch_is_a_direct_decay():
             assert restored == pytest.approx(direct, abs=1e-6), name
 
 
-def test_the_learning_rate_schedule():
+def test_the_learning_rate_schedule_and_the_marks():
     from study_run import lr_factor, linear_drop_rates
+    from study_runs import flops_mark, seconds_mark, tokens_mark
+
+    assert tokens_mark(1000, 100) == 10 and tokens_mark(1000, 300) == 4
+    assert flops_mark(10.0, lambda s: 3.0, 100) == 4 and flops_mark(10.0, lambda s: 3.0, 3) is None
+    assert flops_mark(6.0, lambda s: [1.0, 2.0, 3.0][s], 3) == 3  # stochastic depth: per-step FLOPs differ
+    assert seconds_mark(10.0, 0.3, 100) == 34 and seconds_mark(10.0, 0.3, 20) is None
+    assert [cooldown_steps(m, 0.2) for m in (1, 2, 10, 250)] == [1, 1, 2, 50]
 
     assert [lr_factor(s, 4) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
     assert [lr_factor(s, 2, (6, 10)) for s in range(5, 11)] == [1.0, 1.0, 0.75, 0.5, 0.25, 1.0]

@@ -56,6 +56,10 @@ def register_masked_linear_flops() -> None:
                      out_shape=None):
         return 2 * _rows(grad_out) * math.prod(out)
 
+    @register_flop_formula(ops.masked_linear_grad_runs_)
+    def _grad_runs(weight_out, bias_out, grad_out, x, out_runs, in_runs, accumulate, out_shape=None):
+        return 2 * _rows(grad_out) * math.prod(weight_out) if weight_out is not None else 0
+
     _REGISTERED.append(True)
 
 

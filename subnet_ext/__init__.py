@@ -14,10 +14,13 @@ from . import ops
 from .ops import reference
 from .ops.build_info import build_info
 from .comm.collectives import CollectiveError
+from .comm.call_check import CallOrderError
 from .state.consistency import ConsistencyError
 from .engine import SDPConfig, SubnetDataParallel
 from .engine.grad_scaler import GradScaler
 from .engine.guard import NonFiniteGuard, TooManySkippedSteps
+from .engine.optimizer_guard import StaleOptimizerError
+from .engine.state_dict_guard import PartialStateError
 from .planning.plan import SubnetPlan, Unit, plan_subnetworks
 
 __version__ = "0.1.0"
@@ -30,6 +33,9 @@ __all__ = [
     "TooManySkippedSteps",
     "ConsistencyError",
     "CollectiveError",
+    "CallOrderError",
+    "PartialStateError",
+    "StaleOptimizerError",
     "checkpoint",
     "SubnetPlan",
     "Unit",

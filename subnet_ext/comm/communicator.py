@@ -7,9 +7,18 @@ job alone: every collective is a local no-op that still counts its bytes, so the
 and time of that rank can be measured on one device.
 
 Owner sets and ranks are in the plan's numbering (ranks of `process_group`).
+
+The groups made here are released when the interpreter begins to exit (`release_groups`,
+an atexit handler), before it tears its objects down: a gloo group that an engine still
+holds after `destroy_process_group()` would otherwise be destroyed during that teardown,
+where its threads can abort the process ("terminate called without an active exception")
+after a run that succeeded.
 """
 from __future__ import annotations
 
+import atexit
+import gc
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -96,6 +105,11 @@ class Communicator:
             # inside a user group only its members can take part, so they sync locally.
             self.groups[s] = dist.new_group(ranks, use_local_synchronization=not default, **kwargs)
         self.world_group = self.groups.get(world, process_group)
+        _LIVE.add(self)
+
+    def release(self) -> None:
+        """Drop this communicator's references to the process groups it made (at exit)."""
+        self.groups, self.world_group = {}, self.process_group
 
     def _global(self, rank: int) -> int:
         return rank if self.process_group is None else dist.get_global_rank(self.process_group, rank)
@@ -115,6 +129,21 @@ class Communicator:
         collectives.wait_in_stream_order(work, f"broadcast of {quantity} from rank {src}",
                                          collectives.describe_group(range(self.world_size), self.world_size),
                                          self.timeout)
+
+
+_LIVE: "weakref.WeakSet[Communicator]" = weakref.WeakSet()  # communicators that made process groups
+
+
+def release_groups() -> None:
+    """Release every live communicator's process groups, then collect: run at interpreter exit
+    (atexit runs before the teardown, while destroying a gloo group is still safe). The
+    engines cannot communicate afterwards; nothing does once the program has ended."""
+    for communicator in list(_LIVE):
+        communicator.release()
+    gc.collect()
+
+
+atexit.register(release_groups)
 
 
 class SimulatedCommunicator(Communicator):

@@ -55,7 +55,7 @@ class SDPConfig:
             simulate_rank.
     Raises:
         ValueError (when made) naming the option that is out of range, its value and the
-        values it takes.
+        values it takes; TypeError for a numeric option that is not a number (timeout="5").
     """
 
     regime: str = "forward"
@@ -69,6 +69,12 @@ class SDPConfig:
     shard_shared: bool = False
 
     def __post_init__(self):
+        for name in ("sync_every", "latency_bytes", "bucket_cap_mb", "timeout"):
+            value = getattr(self, name)
+            if not (_is_number(value) or isinstance(value, bool) or (name == "timeout" and value is None)):
+                kind = "an int >= 1" if name == "sync_every" else \
+                    "a number of seconds (or None)" if name == "timeout" else "a number"
+                raise TypeError(f"{name} must be {kind}, got {type(value).__name__} {value!r}")
         if self.regime not in REGIMES:
             raise ValueError(f"regime must be 'forward' or 'backward', got {self.regime!r}")
         if not isinstance(self.sync_every, int) or isinstance(self.sync_every, bool) or self.sync_every < 1:

@@ -52,7 +52,7 @@ from .optimizer_guard import OptimizerGuard
 from .phase import Phase
 from .residual_scale import check_residual_scale, scale_full_state
 from .restore import meta_skeleton, restore_structure
-from .setup import check_placement, weak_call, world_and_rank
+from .setup import check_placement, check_world, weak_call, world_and_rank
 from .sharding import SharedShards
 from .state_dict_guard import install_state_dict_guard
 from .surgery import attach_direct_gradients, materialise_forward, prepare_backward
@@ -84,9 +84,7 @@ class SubnetDataParallel(DDPInterface, nn.Module):
         check_placement(config, plan, simulate_rank is not None)
         self._simulated = simulate_rank is not None
         self.world_size, self.rank = world_and_rank(plan, process_group, simulate_rank)
-        if plan.world_size != self.world_size:
-            raise ValueError(f"the plan was made for world size {plan.world_size}, but the process group has "
-                             f"{self.world_size} ranks; make the plan with world_size={self.world_size}")
+        check_world(plan, self.world_size, self._simulated)
         fingerprint = model_fingerprint(model)
         if fingerprint != plan.fingerprint:
             raise ValueError(f"the plan was made for another model (structure fingerprint {plan.fingerprint}, "

@@ -26,6 +26,23 @@ def world_and_rank(plan: SubnetPlan, process_group, simulate_rank) -> tuple[int,
     return 1, 0
 
 
+def check_world(plan: SubnetPlan, world_size: int, simulated: bool) -> None:
+    """ValueError unless the engine runs with as many ranks as the plan was made for, saying what
+    to do: initialise torch.distributed first (a plan for K > 1 ranks in a process that runs
+    alone), or plan for the group's world size."""
+    if plan.world_size == world_size:
+        return
+    if not simulated and not dist.is_initialized():
+        raise ValueError(
+            f"the plan is for {plan.world_size} ranks, but torch.distributed is not initialised, so this process "
+            f"would train alone. Call torch.distributed.init_process_group() before wrapping, in every process of "
+            f"the job (started with e.g. `torchrun --nproc-per-node {plan.world_size} train.py`, which sets the "
+            f"environment it reads), or pass simulate_rank=r to run rank r of the plan alone on this process "
+            f"(its collectives are no-ops)")
+    raise ValueError(f"the plan was made for world size {plan.world_size}, but the process group has "
+                     f"{world_size} ranks; make the plan with world_size={world_size}")
+
+
 def weak_call(engine_ref, fn):
     """A hook calling fn(engine, *args) while the engine lives, and nothing after."""
 

@@ -34,13 +34,21 @@ def _held_warning(plan) -> list[str]:
             f"largest {names}) are held by every rank. {fix}, or shard the shared parameters (shard_shared=True)."]
 
 
+def _effective(plan, owners_per_unit: int) -> str:
+    """', effective coverage r/K' when whole owners round the coverage asked for; else ''."""
+    effective = owners_per_unit / plan.world_size
+    return "" if abs(effective - plan.coverage) <= 1e-9 else \
+        f": effective coverage {owners_per_unit}/{plan.world_size} = {effective:g}"
+
+
 def plan_summary(plan, owners_per_unit: int) -> str:
     """Units per group, per-rank parameters, held fraction, bytes and FLOPs, the checks, and
     a warning when shared parameters lift a rank far above the coverage."""
     k, full = plan.world_size, plan.full_bytes
     total = plan.total_params
     lines = [f"SubnetPlan: {len(plan.units)} {plan.level}-level units in {len(plan.groups)} group(s), "
-             f"world size {k}, coverage {plan.coverage} ({owners_per_unit} owner(s)/unit), seed {plan.seed}",
+             f"world size {k}, coverage {plan.coverage} ({owners_per_unit} owner(s)/unit{_effective(plan, owners_per_unit)}), "
+             f"seed {plan.seed}",
              f"shared: {len(plan.shared_params)} parameter tensors, {plan.shared_param_count:,} parameters "
              f"({plan.shared_param_count / max(total, 1):.1%}), {plan.shared_bytes / 2**20:.2f} MiB; full model "
              f"{total:,} parameters, {full / 2**20:.2f} MiB",

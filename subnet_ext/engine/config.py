@@ -22,6 +22,7 @@ from ..planning.plan import SubnetPlan
 
 REGIMES = ("forward", "backward")
 SCALES = ("none", "inverse")
+EVAL_FORWARDS = ("subnetwork", "full")  # what a forward in eval mode runs (eval_mode.py)
 
 
 def _is_number(value) -> bool:
@@ -53,6 +54,10 @@ class SDPConfig:
             (gathered per use, gradients reduce-scattered, optimizer state sharded); SDP
             averages only the units. Needs sync_every=1, torch.distributed and no
             simulate_rank.
+        eval_forward: what `sdp.eval(); sdp(x)` runs on a rank that does not hold the whole
+            model: "subnetwork" (this rank's, as in training; a warning says so once per
+            process) or "full" (the assembled model, once per optimizer step: collective,
+            every rank evaluates). See eval_mode.py.
     Raises:
         ValueError (when made) naming the option that is out of range, its value and the
         values it takes; TypeError for a numeric option that is not a number (timeout="5").
@@ -67,6 +72,7 @@ class SDPConfig:
     overlap: bool = True
     timeout: float | None = None
     shard_shared: bool = False
+    eval_forward: str = "subnetwork"
 
     def __post_init__(self):
         for name in ("sync_every", "latency_bytes", "bucket_cap_mb", "timeout"):
@@ -81,6 +87,8 @@ class SDPConfig:
             raise ValueError(f"sync_every must be an int >= 1, got {self.sync_every!r}")
         if self.scale not in SCALES:
             raise ValueError(f"scale must be 'none' or 'inverse', got {self.scale!r}")
+        if self.eval_forward not in EVAL_FORWARDS:
+            raise ValueError(f"eval_forward must be 'subnetwork' or 'full', got {self.eval_forward!r}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if not (_is_number(self.latency_bytes) and 0 <= self.latency_bytes < math.inf):

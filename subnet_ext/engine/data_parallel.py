@@ -31,7 +31,6 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from ..comm import collectives
 from ..comm.averaging import BucketedAverager
 from ..comm.call_check import CallLedger, collective_method
 from ..comm.communicator import CommCounter, Communicator, SimulatedCommunicator
@@ -48,11 +47,12 @@ from ..state.layout import RankLayout
 from . import clipping, evaluation, guard, reports
 from .config import SDPConfig, config_from
 from .ddp_interface import DDPInterface
+from .eval_mode import EvalForward
 from .optimizer_guard import OptimizerGuard
 from .phase import Phase
 from .residual_scale import check_residual_scale, scale_full_state
 from .restore import meta_skeleton, restore_structure
-from .setup import check_placement, check_world, weak_call, world_and_rank
+from .setup import broadcast_initial_state, check_placement, check_world, weak_call, world_and_rank
 from .sharding import SharedShards
 from .state_dict_guard import install_state_dict_guard
 from .surgery import attach_direct_gradients, materialise_forward, prepare_backward
@@ -65,7 +65,7 @@ class SubnetDataParallel(DDPInterface, nn.Module):
         model: the full model, identical on every rank (rank 0's values are broadcast).
         plan: from plan_subnetworks(model, world_size, ...) on the same model structure.
         config: the engine's options, an SDPConfig (regime, sync_every, scale, strategy,
-            latency_bytes, bucket_cap_mb, overlap, timeout, shard_shared; config.py).
+            latency_bytes, bucket_cap_mb, overlap, timeout, shard_shared, eval_forward; config.py).
             The same options may be given as keywords instead (`regime="backward"`).
         process_group: the group the plan's ranks live in (default: the world).
         simulate_rank: run only rank r of the plan's K ranks, alone, without
@@ -93,7 +93,8 @@ class SubnetDataParallel(DDPInterface, nn.Module):
         self._phase = Phase.TRAINING
         first = next(iter(model.parameters()), None)
         self._device = first.device if first is not None else torch.device("cpu")
-        self._sync_initial_state(model)
+        if self.world_size > 1 and not self._simulated:
+            broadcast_initial_state(model, process_group, config.timeout)  # rank 0's values, as torch DDP
         self._optimizer_guard = OptimizerGuard(model)  # the Parameters an optimizer built before wrapping holds
         self.__dict__["_skeleton"] = meta_skeleton(model)  # not a submodule: no state of its own
 
@@ -112,6 +113,7 @@ class SubnetDataParallel(DDPInterface, nn.Module):
                                   trainable=[p for p in model.parameters() if p.requires_grad])
         self._setup_communication()
         self._install_hooks(model)
+        self._eval_forward = EvalForward.for_rank(config.eval_forward, plan, self.rank, config.regime)
 
     def _setup_communication(self) -> None:
         """Strategy (cost model), bucket layout, process groups (or their simulation), averager,
@@ -172,14 +174,6 @@ class SubnetDataParallel(DDPInterface, nn.Module):
         else:
             self._averager.on_grad_ready(pieces)
 
-    def _sync_initial_state(self, model: nn.Module) -> None:
-        """Every rank starts from rank 0's values (as torch DDP does)."""
-        if self.world_size == 1 or self._simulated or not dist.is_initialized():
-            return
-        src = dist.get_global_rank(self._process_group, 0) if self._process_group is not None else 0
-        collectives.broadcast_by_dtype(list(model.state_dict(keep_vars=True).values()), src, self._process_group,
-                                       self.config.timeout)
-
     def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
         if not any(self._layout.is_trainable(p) for g in optimizer.param_groups for p in g["params"]):
             return
@@ -206,6 +200,8 @@ class SubnetDataParallel(DDPInterface, nn.Module):
         self._check_open(what)
         if self._shards is not None:
             self._shards.reshard()
+        if what.startswith("load"):  # new values: a model assembled for eval mode is stale
+            self._eval_forward.drop()
         return self._layout, self._process_group
 
     # ------------------------------------------------------------------ public API
@@ -213,10 +209,23 @@ class SubnetDataParallel(DDPInterface, nn.Module):
         """Run this rank's subnetwork (the wrapped model, with its skipped blocks and sliced units)
         on the inputs; same arguments and output shapes as the unwrapped model."""
         self._check_open("forward")
-        out = self.module(*args, **kwargs)
+        if self._eval_forward.applies(self.module):  # eval mode on a rank without the whole model
+            out = self._eval_forward.run(self.module, args, kwargs, self._counter.steps, self._model_for_eval)
+        else:
+            out = self.module(*args, **kwargs)
         if self._shards is not None and not torch.is_grad_enabled():
             self._shards.reshard()  # no backward will reshard the gathered shared parameters
         return out
+
+    def _model_for_eval(self) -> nn.Module:
+        with self._call_ledger.collective("forward in eval mode (eval_forward='full')"):
+            return self.full_model()
+
+    def train(self, mode: bool = True):
+        """nn.Module's train(); back in train mode, the model assembled for eval-mode forwards is freed."""
+        if mode and "_eval_forward" in self.__dict__:
+            self._eval_forward.drop()
+        return super().train(mode)
 
     @collective_method(agree=("rank0_only",))
     def full_state_dict(self, rank0_only: bool = False, cpu_offload: bool = False, residual_scale=None) -> dict:

@@ -3,6 +3,9 @@ the checks of where it runs, and hooks that hold the engine weakly."""
 from __future__ import annotations
 
 import torch.distributed as dist
+import torch.nn as nn
+
+from ..comm import collectives
 
 from ..planning.plan import SubnetPlan
 from .config import SDPConfig
@@ -41,6 +44,14 @@ def check_world(plan: SubnetPlan, world_size: int, simulated: bool) -> None:
             f"(its collectives are no-ops)")
     raise ValueError(f"the plan was made for world size {plan.world_size}, but the process group has "
                      f"{world_size} ranks; make the plan with world_size={world_size}")
+
+
+def broadcast_initial_state(model: nn.Module, process_group, timeout: float | None) -> None:
+    """Overwrite every rank's parameters and buffers with the group's rank 0's (as torch DDP does)."""
+    if not dist.is_initialized():
+        return
+    src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+    collectives.broadcast_by_dtype(list(model.state_dict(keep_vars=True).values()), src, process_group, timeout)
 
 
 def weak_call(engine_ref, fn):

@@ -17,6 +17,7 @@ from .comm.collectives import CollectiveError
 from .comm.call_check import CallOrderError
 from .state.consistency import ConsistencyError
 from .engine import SDPConfig, SubnetDataParallel
+from .engine.ema import ExponentialMovingAverage
 from .engine.grad_scaler import GradScaler
 from .engine.guard import NonFiniteGuard, TooManySkippedSteps
 from .engine.optimizer_guard import StaleOptimizerError
@@ -28,6 +29,7 @@ __version__ = "0.1.0"
 __all__ = [
     "SubnetDataParallel",
     "SDPConfig",
+    "ExponentialMovingAverage",
     "GradScaler",
     "NonFiniteGuard",
     "TooManySkippedSteps",

@@ -52,7 +52,8 @@ from .optimizer_guard import OptimizerGuard
 from .phase import Phase
 from .residual_scale import check_residual_scale, scale_full_state
 from .restore import meta_skeleton, restore_structure
-from .setup import broadcast_initial_state, check_placement, check_world, weak_call, world_and_rank
+from .setup import (broadcast_initial_state, check_placement, check_world, refuse_if_simulated, weak_call,
+                    world_and_rank)
 from .sharding import SharedShards
 from .state_dict_guard import install_state_dict_guard
 from .surgery import attach_direct_gradients, materialise_forward, prepare_backward
@@ -327,11 +328,13 @@ class SubnetDataParallel(DDPInterface, nn.Module):
             self._shards.reshard()  # the no-grad forward left them gathered
         return out
 
+    def __deepcopy__(self, memo):
+        raise TypeError("copy.deepcopy(SubnetDataParallel): it holds process groups and this rank's share of the model. "
+                        "For an EMA (AveragedModel, torchvision's or timm's) use subnet_ext.ExponentialMovingAverage("
+                        "sdp, decay); for a copy of the model, sdp.full_model() (collective).")
+
     def _refuse_if_simulated(self, what: str) -> None:
-        if self._simulated:
-            raise ValueError(f"{what} needs every rank's share of the model, but this engine simulates rank "
-                             f"{self.rank} of {self.world_size} alone; use evaluate(modes=('ensemble',)) for "
-                             "this rank's subnetwork")
+        refuse_if_simulated(what, self._simulated, self.rank, self.world_size)
 
     def comm_stats(self) -> dict:
         """Bytes handed to collectives and collectives issued, in total and per optimizer step,

@@ -54,6 +54,13 @@ def broadcast_initial_state(model: nn.Module, process_group, timeout: float | No
     collectives.broadcast_by_dtype(list(model.state_dict(keep_vars=True).values()), src, process_group, timeout)
 
 
+def refuse_if_simulated(what: str, simulated: bool, rank: int, world_size: int) -> None:
+    """ValueError when `what` needs every rank's share of the model but the engine simulates one rank."""
+    if simulated:
+        raise ValueError(f"{what} needs every rank's share of the model, but this engine simulates rank "
+                         f"{rank} of {world_size} alone; use evaluate(modes=('ensemble',)) for this rank's subnetwork")
+
+
 def weak_call(engine_ref, fn):
     """A hook calling fn(engine, *args) while the engine lives, and nothing after."""
 

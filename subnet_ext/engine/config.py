@@ -23,6 +23,7 @@ from ..planning.plan import SubnetPlan
 REGIMES = ("forward", "backward")
 SCALES = ("none", "inverse")
 EVAL_FORWARDS = ("subnetwork", "full")  # what a forward in eval mode runs (eval_mode.py)
+BUFFER_SYNCS = ("average", "broadcast")  # how owners agree on buffers (comm/buffer_sync.py)
 
 
 def _is_number(value) -> bool:
@@ -58,6 +59,11 @@ class SDPConfig:
             model: "subnetwork" (this rank's, as in training; a warning says so once per
             process) or "full" (the assembled model, once per optimizer step: collective,
             every rank evaluates). See eval_mode.py.
+        buffer_sync: how the owners of a floating buffer (BatchNorm's running statistics)
+            agree: "average" (their mean, with each step's gradients) or "broadcast" (its
+            leader's values after each synchronising backward, the values torch DDP's
+            broadcast_buffers gives: rank 0's at coverage 1 and for shared buffers). See
+            comm/buffer_sync.py.
     Raises:
         ValueError (when made) naming the option that is out of range, its value and the
         values it takes; TypeError for a numeric option that is not a number (timeout="5").
@@ -73,6 +79,7 @@ class SDPConfig:
     timeout: float | None = None
     shard_shared: bool = False
     eval_forward: str = "subnetwork"
+    buffer_sync: str = "average"
 
     def __post_init__(self):
         for name in ("sync_every", "latency_bytes", "bucket_cap_mb", "timeout"):
@@ -89,6 +96,8 @@ class SDPConfig:
             raise ValueError(f"scale must be 'none' or 'inverse', got {self.scale!r}")
         if self.eval_forward not in EVAL_FORWARDS:
             raise ValueError(f"eval_forward must be 'subnetwork' or 'full', got {self.eval_forward!r}")
+        if self.buffer_sync not in BUFFER_SYNCS:
+            raise ValueError(f"buffer_sync must be 'average' or 'broadcast', got {self.buffer_sync!r}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if not (_is_number(self.latency_bytes) and 0 <= self.latency_bytes < math.inf):

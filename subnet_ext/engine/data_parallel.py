@@ -31,20 +31,15 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from ..comm.averaging import BucketedAverager
 from ..comm.call_check import CallLedger, collective_method
-from ..comm.communicator import CommCounter, Communicator, SimulatedCommunicator
-from ..comm.refresh import CopyRefresher
-from ..planning.buckets import build_buckets
-from ..planning.costs import choose_strategy
 from ..planning.pieces import global_pieces
 from ..planning.plan import SubnetPlan, model_fingerprint
-from ..planning.sharding import communicated_pieces
 from ..state import consistency, full_optim_state
 from ..state.aliases import with_aliases, without_aliases
 from ..state.assembly import assemble, load_pieces
 from ..state.layout import RankLayout
 from . import clipping, evaluation, guard, reports
+from .communication import build_communication
 from .config import SDPConfig, config_from
 from .ddp_interface import DDPInterface
 from .eval_mode import EvalForward
@@ -117,22 +112,12 @@ class SubnetDataParallel(DDPInterface, nn.Module):
         self._eval_forward = EvalForward.for_rank(config.eval_forward, plan, self.rank, config.regime)
 
     def _setup_communication(self) -> None:
-        """Strategy (cost model), bucket layout, process groups (or their simulation), averager,
-        refresh: each handed the typed places of this rank's pieces, nothing of the engine."""
-        config, sharded = self.config, self._shards is not None  # FSDP2 communicates the shared parameters
-        self._strategy, self._strategy_costs = choose_strategy(self.plan, config.strategy, config.latency_bytes,
-                                                               config.bucket_cap_bytes, shard_shared=sharded)
-        self._counter = CommCounter()  # its `steps` is the engine's one count of optimizer steps
-        buckets = build_buckets(self.plan, communicated_pieces(self.plan, sharded), self._strategy,
-                                config.bucket_cap_bytes)
-        owner_sets = [b.owners for b in buckets]  # the groups averaging uses; the refresh uses the world
-        self._comm = SimulatedCommunicator(self.world_size, self.rank, self._counter) if self._simulated else \
-            Communicator(owner_sets, self.world_size, self.rank, self._process_group, self._counter, config.timeout)
-        places = self._layout.averaging_places()
-        self._averager = BucketedAverager(buckets, self.rank, self._comm, self._device, places,
-                                          overlap=config.overlap, average_gradients=config.sync_every == 1)
-        self._refresh = CopyRefresher(self._layout.pieces, self.rank, self.world_size, places, self._comm) \
-            if config.regime == "backward" else None
+        """Strategy, buckets, process groups, averager, refresh, leader's buffers (communication.py)."""
+        c = build_communication(self.plan, self._layout, self.config, self._process_group, self._simulated,
+                                self._shards is not None, self._device)
+        self._strategy, self._strategy_costs, self._counter = c.strategy, c.strategy_costs, c.counter
+        self._comm = c.comm
+        self._averager, self._refresh, self._leader_buffers = c.averager, c.refresh, c.leader_buffers
 
     def _install_hooks(self, model: nn.Module) -> None:
         """Gradient-ready and optimizer-step hooks, and what meets a DDP script's habits: an
@@ -174,6 +159,8 @@ class SubnetDataParallel(DDPInterface, nn.Module):
             self._averager.on_param_grad_ready(param)
         else:
             self._averager.on_grad_ready(pieces)
+        if self._leader_buffers is not None:  # buffer_sync="broadcast": after the averaging, when the backward ends
+            self._leader_buffers.on_backward()
 
     def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
         if not any(self._layout.is_trainable(p) for g in optimizer.param_groups for p in g["params"]):

@@ -47,8 +47,8 @@ def plan_summary(plan, owners_per_unit: int) -> str:
     k, full = plan.world_size, plan.full_bytes
     total = plan.total_params
     lines = [f"SubnetPlan: {len(plan.units)} {plan.level}-level units in {len(plan.groups)} group(s), "
-             f"world size {k}, coverage {plan.coverage} ({owners_per_unit} owner(s)/unit{_effective(plan, owners_per_unit)}), "
-             f"seed {plan.seed}",
+             f"world size {k}, coverage {plan.coverage} ({owners_per_unit} owner(s)/unit"
+             f"{_effective(plan, owners_per_unit)}), seed {plan.seed}",
              f"shared: {len(plan.shared_params)} parameter tensors, {plan.shared_param_count:,} parameters "
              f"({plan.shared_param_count / max(total, 1):.1%}), {plan.shared_bytes / 2**20:.2f} MiB; full model "
              f"{total:,} parameters, {full / 2**20:.2f} MiB",

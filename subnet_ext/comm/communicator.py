@@ -77,12 +77,15 @@ class Communicator:
             refresh (so that `process_group`'s own timeout does not apply). The waits
             themselves pass no timeout: a host-side deadline would make the CPU wait for
             every bucket on NCCL.
+        module_sets: owner sets whose group a module needs (a SyncBatchNorm's), made even
+            for one rank (`group_for`).
     """
 
     simulated = False
 
     def __init__(self, owner_sets: Iterable[tuple], world_size: int, rank: int,
-                 process_group: dist.ProcessGroup | None, counter: CommCounter, timeout: float | None = None):
+                 process_group: dist.ProcessGroup | None, counter: CommCounter, timeout: float | None = None,
+                 module_sets: Iterable[tuple] = ()):
         self.world_size, self.rank, self.process_group, self.counter = world_size, rank, process_group, counter
         self.timeout = timeout
         self.groups = {}
@@ -93,9 +96,10 @@ class Communicator:
         default = process_group is None or process_group == dist.group.WORLD
         kwargs = {} if timeout is None else {"timeout": collectives.as_timedelta(timeout)}
         world = tuple(range(world_size))
-        sets = set(owner_sets) | ({world} if timeout is not None else set())
+        module_sets = set(module_sets)
+        sets = set(owner_sets) | module_sets | ({world} if timeout is not None else set())
         for s in sorted(sets):
-            if len(s) < 2:
+            if len(s) < 2 and s not in module_sets:
                 continue
             if len(s) == world_size and timeout is None:
                 self.groups[s] = world_pg
@@ -106,6 +110,11 @@ class Communicator:
             self.groups[s] = dist.new_group(ranks, use_local_synchronization=not default, **kwargs)
         self.world_group = self.groups.get(world, process_group)
         _LIVE.add(self)
+
+    def group_for(self, owners: tuple) -> dist.ProcessGroup | None:
+        """The process group of plan ranks `owners` (one of the sets this communicator was made
+        with; all the plan's ranks: the engine's world group, None meaning the default group)."""
+        return self.world_group if len(owners) == self.world_size else self.groups[tuple(owners)]
 
     def release(self) -> None:
         """Drop this communicator's references to the process groups it made (at exit)."""

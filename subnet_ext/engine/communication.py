@@ -42,9 +42,10 @@ class EngineCommunication:
 
 def build_communication(plan: SubnetPlan, layout: RankLayout, config: SDPConfig,
                         process_group: dist.ProcessGroup | None, simulated: bool, sharded: bool,
-                        device: torch.device) -> EngineCommunication:
+                        device: torch.device, module_sets=()) -> EngineCommunication:
     """The engine's EngineCommunication (process groups made here: every rank calls it in the same order).
-    sharded: FSDP2 communicates the shared parameters (shard_shared)."""
+    sharded: FSDP2 communicates the shared parameters (shard_shared). module_sets: owner sets whose
+    group a module needs (SyncBatchNorm: sync_norm.py)."""
     rank, world_size = layout.rank, layout.world_size
     strategy, costs = choose_strategy(plan, config.strategy, config.latency_bytes, config.bucket_cap_bytes,
                                       shard_shared=sharded)
@@ -57,7 +58,7 @@ def build_communication(plan: SubnetPlan, layout: RankLayout, config: SDPConfig,
     world = tuple(range(world_size))
     owner_sets = [b.owners for b in buckets] + ([world] if broadcast_buffers else [])  # the refresh: the world
     comm = SimulatedCommunicator(world_size, rank, counter) if simulated else \
-        Communicator(owner_sets, world_size, rank, process_group, counter, config.timeout)
+        Communicator(owner_sets, world_size, rank, process_group, counter, config.timeout, module_sets)
     places = layout.averaging_places()
     averager = BucketedAverager(buckets, rank, comm, device, places, overlap=config.overlap,
                                 average_gradients=config.sync_every == 1)

@@ -52,6 +52,7 @@ from .setup import (broadcast_initial_state, check_placement, check_world, refus
 from .sharding import SharedShards
 from .state_dict_guard import install_state_dict_guard
 from .surgery import attach_direct_gradients, materialise_forward, prepare_backward
+from .sync_norm import assign_sync_norm_groups, sync_norm_owners
 
 
 class SubnetDataParallel(DDPInterface, nn.Module):
@@ -95,6 +96,9 @@ class SubnetDataParallel(DDPInterface, nn.Module):
         self.__dict__["_skeleton"] = meta_skeleton(model)  # not a submodule: no state of its own
 
         pieces = global_pieces(plan)
+        # Forward regime: each SyncBatchNorm synchronises among the ranks that run it (sync_norm.py).
+        sync_norms = sync_norm_owners(model, plan, pieces) if config.regime == "forward" and self.world_size > 1 \
+            and not self._simulated else {}
         if config.regime == "forward":
             self._hooks = materialise_forward(model, plan, pieces, self.rank, config.scale)
             piece_params, value_refs = {}, {}
@@ -107,14 +111,15 @@ class SubnetDataParallel(DDPInterface, nn.Module):
                                   compact=config.regime == "forward", piece_params=piece_params,
                                   value_refs=value_refs, sharded=self._shards.names if self._shards else (),
                                   trainable=[p for p in model.parameters() if p.requires_grad])
-        self._setup_communication()
+        self._setup_communication(set(sync_norms.values()))
+        self._hooks += assign_sync_norm_groups(model, sync_norms, self._comm.group_for)
         self._install_hooks(model)
         self._eval_forward = EvalForward.for_rank(config.eval_forward, plan, self.rank, config.regime)
 
-    def _setup_communication(self) -> None:
+    def _setup_communication(self, module_sets) -> None:
         """Strategy, buckets, process groups, averager, refresh, leader's buffers (communication.py)."""
         c = build_communication(self.plan, self._layout, self.config, self._process_group, self._simulated,
-                                self._shards is not None, self._device)
+                                self._shards is not None, self._device, module_sets)
         self._strategy, self._strategy_costs, self._counter = c.strategy, c.strategy_costs, c.counter
         self._comm = c.comm
         self._averager, self._refresh, self._leader_buffers = c.averager, c.refresh, c.leader_buffers

@@ -14,12 +14,12 @@ defaults), or that fails even whole on that input, cannot be run alone and is no
 """
 from __future__ import annotations
 
-import copy
 import inspect
 
 import torch
 import torch.nn as nn
 
+from ..planning.model_copy import copy_model
 from ..planning.pieces import Piece
 from .slicing import consumer_member, slice_group, split_name
 
@@ -38,7 +38,7 @@ def _runs_alone(module: nn.Module) -> bool:
 
 def _private_copy(module: nn.Module) -> nn.Module:
     """A deep copy in eval mode with no hooks (a user's hook must not see the probe)."""
-    twin = copy.deepcopy(module)
+    twin = copy_model(module)
     for m in twin.modules():
         m._forward_pre_hooks.clear()
         m._forward_hooks.clear()

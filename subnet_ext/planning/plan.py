@@ -90,6 +90,9 @@ class SubnetPlan:
         self.tensor_shapes: dict = {k: tuple(v) for k, v in tensor_shapes.items() if k not in self.aliases}
         self.tensor_dtypes: dict = {k: v for k, v in tensor_dtypes.items() if k not in self.aliases}
         self.fingerprint = fingerprint
+        # Filled at wrap time by the engine (forward regime, on this rank): head groups whose module
+        # cannot run sliced and keeps its width instead, {module path: why}; summary() lists them.
+        self.width_kept: dict = {}
         self.units, self.unit_ranges = [], []
         for g in groups:
             start = len(self.units)

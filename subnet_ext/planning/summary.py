@@ -66,4 +66,14 @@ def plan_summary(plan, owners_per_unit: int) -> str:
                   f"rank graph by shared units {graph} (spectral gap {plan.spectral_gap:.3f}), "
                   f"imbalance bytes {imb['bytes']:.1%} flops {imb['flops']:.1%} ({counted_by}), "
                   f"{len(plan.owner_sets())} distinct owner set(s)"]
-    return "\n".join(lines + _held_warning(plan))
+    return "\n".join(lines + _width_kept_lines(plan) + _held_warning(plan))
+
+
+def _width_kept_lines(plan) -> list[str]:
+    """The head groups that keep their width on this rank (filled when the engine wraps)."""
+    if not getattr(plan, "width_kept", None):
+        return []
+    lines = ["width kept (forward regime, this rank): these attentions cannot run with their heads sliced, so they "
+             "keep their width: compact weights, owned heads' outputs scattered into the full width, unowned heads "
+             "computed on zeros (their attention activations and FLOPs do not shrink):"]
+    return lines + [f"- {path}: {why}" for path, why in plan.width_kept.items()]

@@ -56,7 +56,8 @@ class ExponentialMovingAverage(nn.Module):
                             f"{type(sdp).__name__}; for a plain or DDP model use torch.optim.swa_utils.AveragedModel")
         self.__dict__["_engine"] = sdp  # not a submodule: its state dict is this rank's subnetwork
         self.decay, self.use_buffers = float(decay), bool(use_buffers)
-        self.n_averaged = 0
+        # A 0-d long tensor, as AveragedModel's (torchvision's loop resets it with n_averaged.fill_(0)).
+        self.register_buffer("n_averaged", torch.tensor(0, dtype=torch.long), persistent=False)
         self._device = torch.device(device) if device is not None else sdp._device
         self._cache, self._cached_at = None, None
         layout = self._layout("ExponentialMovingAverage")
@@ -100,7 +101,7 @@ class ExponentialMovingAverage(nn.Module):
         for key, average in self._averages.items():
             value = current[key].to(average.device)
             is_parameter = isinstance(key, tuple) and key[2]
-            if self.n_averaged == 0 or not (is_parameter or self.use_buffers):
+            if int(self.n_averaged) == 0 or not (is_parameter or self.use_buffers):
                 copied.append((average, value))
             elif average.is_floating_point():
                 lerped[0].append(average)
@@ -135,7 +136,7 @@ class ExponentialMovingAverage(nn.Module):
         full = self.full_state_dict(rank0_only=rank0_only, cpu_offload=cpu_offload)
         if not full:
             return {}
-        out = {"n_averaged": torch.tensor(self.n_averaged, dtype=torch.long)}
+        out = {"n_averaged": self.n_averaged.detach().clone().cpu()}
         out.update((PREFIX + name, value) for name, value in full.items())
         return out
 
@@ -161,7 +162,7 @@ class ExponentialMovingAverage(nn.Module):
             elif key in entries:
                 average.copy_(entries[key])
         if "n_averaged" in state_dict:
-            self.n_averaged = int(state_dict["n_averaged"])
+            self.n_averaged.fill_(int(state_dict["n_averaged"]))
         self._cache = None
 
     def full_model(self) -> nn.Module:
@@ -189,7 +190,8 @@ class ExponentialMovingAverage(nn.Module):
     def extra_repr(self) -> str:
         """decay, use_buffers, n_averaged and the elements this rank averages, for repr()."""
         held = sum(t.numel() for t in self._averages.values())
-        return f"decay={self.decay}, use_buffers={self.use_buffers}, n_averaged={self.n_averaged}, elements_here={held}"
+        return f"decay={self.decay}, use_buffers={self.use_buffers}, n_averaged={int(self.n_averaged)}, " \
+            f"elements_here={held}"
 
 
 def _assemble(layout: RankLayout, written: dict, group, timeout, rank0_only: bool, cpu_offload: bool) -> dict:

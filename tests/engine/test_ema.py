@@ -2,7 +2,8 @@
 
 - coverage 1: its state dict equals torch's `AveragedModel(ddp.module,
   multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=...)` over torch DDP bit for bit
-  (every key, n_averaged, tied entries), after every update: a ResidualMLP at neuron level
+  (every key, n_averaged, tied entries), after every update, `n_averaged.fill_(0)` (torchvision's
+  warmup restart) included: a ResidualMLP at neuron level
   (forward regime) and the GPT with its tied lm_head at block level (backward regime, buffers
   averaged);
 - coverage 0.5, forward and backward regime: equal bit for bit to AveragedModel over a plain
@@ -72,6 +73,9 @@ def _against_ddp(rank, world, kind, level, regime, use_buffers):
         reference.update_parameters(ddp)
         step(sdp, opt, rank, s, kind)
         ema.update_parameters(sdp)
+        if s == 1:  # torchvision's loop restarts the average during the learning-rate warmup
+            reference.n_averaged.fill_(0)
+            ema.n_averaged.fill_(0)
         out.append((as_bytes(ema.state_dict()), as_bytes(reference.state_dict())))
     return out
 

@@ -17,7 +17,8 @@ c_proj):
   modules back; at coverage 1 with width keeping forced (nothing is sliced, so the masked op
   runs every row) it equals torch DDP bit for bit (every loss, the final state);
 - a module that computes its kept heads neither sliced nor width-kept (it applies its
-  projection's weight itself) is refused by name, the model unchanged.
+  projection's weight itself) is refused by name, the model unchanged;
+- on a GPU (`cuda` mark): the width-kept attention through the masked op's CUDA kernels.
 """
 import copy
 import math
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import subnet_ext as sx
+from gpu_marks import needs_cuda
 from subnet_ext.testing import run_distributed
 from subnet_reference import reference_subnetwork
 
@@ -265,3 +267,24 @@ def test_two_ranks_train_assemble_close_and_equal_ddp_at_coverage_one():
         sdp_losses, ddp_losses, state_difference = r["coverage_one"]
         assert sdp_losses == ddp_losses, (sdp_losses, ddp_losses)  # bit for bit
         assert state_difference == 0, state_difference
+
+
+@needs_cuda
+def test_width_kept_attention_on_cuda():
+    """The same width-kept attention with its weights and inputs on the GPU (the masked op's CUDA kernels)."""
+    full = tiny_gpt().cuda()
+    plan = plan_quietly(full, 2, 0.5)
+    sdp = sx.SubnetDataParallel(copy.deepcopy(full), plan, regime="forward", simulate_rank=0)
+    heads = owned_heads(plan, 0, "h.0.attn")
+    assert "h.0.attn" in plan.width_kept
+    x = torch.randn(3, 7, EMBD, device="cuda", generator=torch.Generator("cuda").manual_seed(5))
+    seen = []
+    attn = sdp.module.h[0].attn
+    handle = attn.c_proj.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach().clone()))
+    got = attn(x)
+    handle.remove()
+    torch.testing.assert_close(got, owned_heads_attention(full.h[0].attn, x, heads), rtol=1e-4, atol=1e-5)
+    unowned = [h for h in range(HEADS) if h not in heads]
+    assert all(bool((seen[0][..., h * HEAD_DIM:(h + 1) * HEAD_DIM] == 0).all()) for h in unowned)
+    got.square().sum().backward()
+    assert attn.c_attn.weight.grad.shape == attn.c_attn.weight.shape

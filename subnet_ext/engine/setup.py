@@ -74,8 +74,11 @@ def weak_call(engine_ref, fn):
 
 
 def check_placement(config: SDPConfig, plan: SubnetPlan, simulated: bool) -> None:
-    """ValueError unless `config` applies to `plan` and to where the engine runs (shard_shared
-    needs real ranks under torch.distributed)."""
+    """ValueError unless `config` applies to `plan` and to where the engine runs (shard_shared and
+    eval_forward="full" need real ranks under torch.distributed)."""
     config.check_plan(plan)
     if config.shard_shared:
         check_shard_shared(simulated)
+    if simulated and config.eval_forward == "full":
+        raise ValueError("eval_forward='full' assembles the model from every rank's share, but simulate_rank runs one "
+                         "rank alone; use eval_forward='subnetwork' (this rank's subnetwork)")

@@ -44,6 +44,16 @@ def test_config_is_frozen_and_the_keyword_form_builds_the_same():
     assert sx.SubnetDataParallel(make_model(), plan_for(make_model()), simulate_rank=0).config == sx.SDPConfig()
 
 
+def test_options_that_need_every_rank_are_refused_for_a_simulated_rank():
+    message = value_error(lambda: sx.SubnetDataParallel(make_model(), plan_for(make_model()), simulate_rank=0,
+                                                        eval_forward="full"))
+    assert "eval_forward='full'" in message and "simulate_rank" in message, message
+    assert "eval_forward must be 'subnetwork' or 'full', got 'model'" in value_error(
+        lambda: sx.SDPConfig(eval_forward="model"))
+    assert "buffer_sync must be 'average' or 'broadcast', got 'rank0'" in value_error(
+        lambda: sx.SDPConfig(buffer_sync="rank0"))
+
+
 def test_config_checks_against_the_plan():
     with pytest.raises(ValueError, match="scale='inverse' applies to the neuron level in the forward regime"):
         sx.SubnetDataParallel(make_model(), plan_for(make_model(), "block"), scale="inverse", simulate_rank=0)

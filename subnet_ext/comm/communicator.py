@@ -7,9 +7,18 @@ job alone: every collective is a local no-op that still counts its bytes, so the
 and time of that rank can be measured on one device.
 
 Owner sets and ranks are in the plan's numbering (ranks of `process_group`).
+
+The groups made here are released when the interpreter begins to exit (`release_groups`,
+an atexit handler), before it tears its objects down: a gloo group that an engine still
+holds after `destroy_process_group()` would otherwise be destroyed during that teardown,
+where its threads can abort the process ("terminate called without an active exception")
+after a run that succeeded.
 """
 from __future__ import annotations
 
+import atexit
+import gc
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -68,12 +77,15 @@ class Communicator:
             refresh (so that `process_group`'s own timeout does not apply). The waits
             themselves pass no timeout: a host-side deadline would make the CPU wait for
             every bucket on NCCL.
+        module_sets: owner sets whose group a module needs (a SyncBatchNorm's), made even
+            for one rank (`group_for`).
     """
 
     simulated = False
 
     def __init__(self, owner_sets: Iterable[tuple], world_size: int, rank: int,
-                 process_group: dist.ProcessGroup | None, counter: CommCounter, timeout: float | None = None):
+                 process_group: dist.ProcessGroup | None, counter: CommCounter, timeout: float | None = None,
+                 module_sets: Iterable[tuple] = ()):
         self.world_size, self.rank, self.process_group, self.counter = world_size, rank, process_group, counter
         self.timeout = timeout
         self.groups = {}
@@ -84,9 +96,10 @@ class Communicator:
         default = process_group is None or process_group == dist.group.WORLD
         kwargs = {} if timeout is None else {"timeout": collectives.as_timedelta(timeout)}
         world = tuple(range(world_size))
-        sets = set(owner_sets) | ({world} if timeout is not None else set())
+        module_sets = set(module_sets)
+        sets = set(owner_sets) | module_sets | ({world} if timeout is not None else set())
         for s in sorted(sets):
-            if len(s) < 2:
+            if len(s) < 2 and s not in module_sets:
                 continue
             if len(s) == world_size and timeout is None:
                 self.groups[s] = world_pg
@@ -96,6 +109,16 @@ class Communicator:
             # inside a user group only its members can take part, so they sync locally.
             self.groups[s] = dist.new_group(ranks, use_local_synchronization=not default, **kwargs)
         self.world_group = self.groups.get(world, process_group)
+        _LIVE.add(self)
+
+    def group_for(self, owners: tuple) -> dist.ProcessGroup | None:
+        """The process group of plan ranks `owners` (one of the sets this communicator was made
+        with; all the plan's ranks: the engine's world group, None meaning the default group)."""
+        return self.world_group if len(owners) == self.world_size else self.groups[tuple(owners)]
+
+    def release(self) -> None:
+        """Drop this communicator's references to the process groups it made (at exit)."""
+        self.groups, self.world_group = {}, self.process_group
 
     def _global(self, rank: int) -> int:
         return rank if self.process_group is None else dist.get_global_rank(self.process_group, rank)
@@ -115,6 +138,21 @@ class Communicator:
         collectives.wait_in_stream_order(work, f"broadcast of {quantity} from rank {src}",
                                          collectives.describe_group(range(self.world_size), self.world_size),
                                          self.timeout)
+
+
+_LIVE: "weakref.WeakSet[Communicator]" = weakref.WeakSet()  # communicators that made process groups
+
+
+def release_groups() -> None:
+    """Release every live communicator's process groups, then collect: run at interpreter exit
+    (atexit runs before the teardown, while destroying a gloo group is still safe). The
+    engines cannot communicate afterwards; nothing does once the program has ended."""
+    for communicator in list(_LIVE):
+        communicator.release()
+    gc.collect()
+
+
+atexit.register(release_groups)
 
 
 class SimulatedCommunicator(Communicator):

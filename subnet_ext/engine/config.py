@@ -22,6 +22,8 @@ from ..planning.plan import SubnetPlan
 
 REGIMES = ("forward", "backward")
 SCALES = ("none", "inverse")
+EVAL_FORWARDS = ("subnetwork", "full")  # what a forward in eval mode runs (eval_mode.py)
+BUFFER_SYNCS = ("average", "broadcast")  # how owners agree on buffers (comm/buffer_sync.py)
 
 
 def _is_number(value) -> bool:
@@ -53,9 +55,18 @@ class SDPConfig:
             (gathered per use, gradients reduce-scattered, optimizer state sharded); SDP
             averages only the units. Needs sync_every=1, torch.distributed and no
             simulate_rank.
+        eval_forward: what `sdp.eval(); sdp(x)` runs on a rank that does not hold the whole
+            model: "subnetwork" (this rank's, as in training; a warning says so once per
+            process) or "full" (the assembled model, once per optimizer step: collective,
+            every rank evaluates). See eval_mode.py.
+        buffer_sync: how the owners of a floating buffer (BatchNorm's running statistics)
+            agree: "average" (their mean, with each step's gradients) or "broadcast" (its
+            leader's values after each synchronising backward, the values torch DDP's
+            broadcast_buffers gives: rank 0's at coverage 1 and for shared buffers). See
+            comm/buffer_sync.py.
     Raises:
         ValueError (when made) naming the option that is out of range, its value and the
-        values it takes.
+        values it takes; TypeError for a numeric option that is not a number (timeout="5").
     """
 
     regime: str = "forward"
@@ -67,14 +78,26 @@ class SDPConfig:
     overlap: bool = True
     timeout: float | None = None
     shard_shared: bool = False
+    eval_forward: str = "subnetwork"
+    buffer_sync: str = "average"
 
     def __post_init__(self):
+        for name in ("sync_every", "latency_bytes", "bucket_cap_mb", "timeout"):
+            value = getattr(self, name)
+            if not (_is_number(value) or isinstance(value, bool) or (name == "timeout" and value is None)):
+                kind = "an int >= 1" if name == "sync_every" else \
+                    "a number of seconds (or None)" if name == "timeout" else "a number"
+                raise TypeError(f"{name} must be {kind}, got {type(value).__name__} {value!r}")
         if self.regime not in REGIMES:
             raise ValueError(f"regime must be 'forward' or 'backward', got {self.regime!r}")
         if not isinstance(self.sync_every, int) or isinstance(self.sync_every, bool) or self.sync_every < 1:
             raise ValueError(f"sync_every must be an int >= 1, got {self.sync_every!r}")
         if self.scale not in SCALES:
             raise ValueError(f"scale must be 'none' or 'inverse', got {self.scale!r}")
+        if self.eval_forward not in EVAL_FORWARDS:
+            raise ValueError(f"eval_forward must be 'subnetwork' or 'full', got {self.eval_forward!r}")
+        if self.buffer_sync not in BUFFER_SYNCS:
+            raise ValueError(f"buffer_sync must be 'average' or 'broadcast', got {self.buffer_sync!r}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if not (_is_number(self.latency_bytes) and 0 <= self.latency_bytes < math.inf):

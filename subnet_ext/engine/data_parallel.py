@@ -52,7 +52,7 @@ from .optimizer_guard import OptimizerGuard
 from .phase import Phase
 from .residual_scale import check_residual_scale, scale_full_state
 from .restore import meta_skeleton, restore_structure
-from .setup import check_placement, weak_call, world_and_rank
+from .setup import check_placement, gradient_reduction, weak_call, world_and_rank
 from .sharding import SharedShards
 from .state_dict_guard import install_state_dict_guard
 from .surgery import attach_direct_gradients, materialise_forward, prepare_backward
@@ -65,7 +65,7 @@ class SubnetDataParallel(DDPInterface, nn.Module):
         model: the full model, identical on every rank (rank 0's values are broadcast).
         plan: from plan_subnetworks(model, world_size, ...) on the same model structure.
         config: the engine's options, an SDPConfig (regime, sync_every, scale, strategy,
-            latency_bytes, bucket_cap_mb, overlap, timeout, shard_shared; config.py).
+            latency_bytes, bucket_cap_mb, overlap, timeout, shard_shared, reduce_dtype; config.py).
             The same options may be given as keywords instead (`regime="backward"`).
         process_group: the group the plan's ranks live in (default: the world).
         simulate_rank: run only rank r of the plan's K ranks, alone, without
@@ -119,8 +119,10 @@ class SubnetDataParallel(DDPInterface, nn.Module):
         """Strategy (cost model), bucket layout, process groups (or their simulation), averager,
         refresh: each handed the typed places of this rank's pieces, nothing of the engine."""
         config, sharded = self.config, self._shards is not None  # FSDP2 communicates the shared parameters
+        reduction = gradient_reduction(config)  # parameters (sync_every > 1) always go in their own dtype
         self._strategy, self._strategy_costs = choose_strategy(self.plan, config.strategy, config.latency_bytes,
-                                                               config.bucket_cap_bytes, shard_shared=sharded)
+                                                               config.bucket_cap_bytes, shard_shared=sharded,
+                                                               wire=reduction if config.sync_every == 1 else None)
         self._counter = CommCounter()  # its `steps` is the engine's one count of optimizer steps
         buckets = build_buckets(self.plan, communicated_pieces(self.plan, sharded), self._strategy,
                                 config.bucket_cap_bytes)
@@ -129,7 +131,8 @@ class SubnetDataParallel(DDPInterface, nn.Module):
             Communicator(owner_sets, self.world_size, self.rank, self._process_group, self._counter, config.timeout)
         places = self._layout.averaging_places()
         self._averager = BucketedAverager(buckets, self.rank, self._comm, self._device, places,
-                                          overlap=config.overlap, average_gradients=config.sync_every == 1)
+                                          overlap=config.overlap, average_gradients=config.sync_every == 1,
+                                          reduction=reduction)
         self._refresh = CopyRefresher(self._layout.pieces, self.rank, self.world_size, places, self._comm) \
             if config.regime == "backward" else None
 
@@ -143,10 +146,10 @@ class SubnetDataParallel(DDPInterface, nn.Module):
         if self.config.regime == "backward" and self.config.sync_every == 1:
             self._direct_gradient_runs = attach_direct_gradients(
                 model, self._layout.piece_params, self._averager.direct_gradient_view,
-                weak_call(me, lambda engine, piece: engine._gradients_ready((piece,))))
+                weak_call(me, lambda engine, piece: engine._gradients_ready(pieces=(piece,))))
         for p in self._layout.trainable:
             self._hooks.append(p.register_post_accumulate_grad_hook(
-                weak_call(me, lambda engine, param: engine._gradients_ready(param=param))))
+                weak_call(me, SubnetDataParallel._gradients_ready)))
         # Hooks hold the engine weakly. The optimizer-hook registry is global, and a tensor's
         # hooks are kept from C++, where Python's garbage collector cannot see the cycle
         # parameter -> hook -> engine -> module -> parameter: strong references would keep
@@ -164,15 +167,11 @@ class SubnetDataParallel(DDPInterface, nn.Module):
                                        not self._simulated, self._counter)
 
     # ------------------------------------------------------------------ the step
-    def _gradients_ready(self, pieces=(), param=None) -> None:
+    def _gradients_ready(self, param=None, pieces=()) -> None:
         """A gradient hook's report (a parameter's, or pieces the masked kernel wrote): passed
         to the averager in a backward that averages, dropped while accumulating (no_sync)."""
-        if self._phase is not Phase.TRAINING:
-            return
-        if param is not None:
-            self._averager.on_param_grad_ready(param)
-        else:
-            self._averager.on_grad_ready(pieces)
+        if self._phase is Phase.TRAINING:
+            self._averager.on_grad_ready(pieces, param)
 
     def _sync_initial_state(self, model: nn.Module) -> None:
         """Every rank starts from rank 0's values (as torch DDP does)."""

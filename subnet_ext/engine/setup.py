@@ -1,9 +1,11 @@
 """Small pieces of SubnetDataParallel's set-up: the (world size, rank) the engine runs as,
-the checks of where it runs, and hooks that hold the engine weakly."""
+the checks of where it runs, hooks that hold the engine weakly, and the reduction of gradients."""
 from __future__ import annotations
 
 import torch.distributed as dist
 
+from ..comm.hooks.cast import CastCompressHook
+from ..comm.reduction import AllReduce, HookReduction, Reduction
 from ..planning.plan import SubnetPlan
 from .config import SDPConfig
 from .sharding import check_shard_shared
@@ -44,3 +46,11 @@ def check_placement(config: SDPConfig, plan: SubnetPlan, simulated: bool) -> Non
     config.check_plan(plan)
     if config.shard_shared:
         check_shard_shared(simulated)
+
+
+def gradient_reduction(config: SDPConfig) -> Reduction:
+    """How gradient buckets are averaged (comm/reduction.py): one all-reduce in the gradients'
+    dtype, or with reduce_dtype the cast hook at that dtype (comm/hooks/cast.py)."""
+    if config.reduce_dtype is None:
+        return AllReduce()
+    return HookReduction(None, CastCompressHook(config.reduce_dtype))

@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1 of the K=4 runs (default 5)")
     p.add_argument("--steps", type=int, default=None, help="steps per run (default: the quick profile's)")
-    p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds at K=2 (default 5)")
+    p.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds at K=2 (default 7)")
     p.add_argument("--window", type=int, default=5, help="steps per reduction per round (default 5)")
     p.add_argument("--tasks", type=lambda v: v.split(","), default=["pysrc", "digits"])
     p.add_argument("--out", default=os.path.join("bench", "results", "compression-cpu.md"))
@@ -151,7 +151,7 @@ def main(argv=None) -> int:
     if opts.seeds < 1 or opts.rounds < 1 or opts.window < 1:
         print("bench/compression.py: --seeds, --rounds and --window must be at least 1", file=sys.stderr)
         return 2
-    command = "python bench/compression.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = " ".join(["python bench/compression.py", *(argv if argv is not None else sys.argv[1:])])
     started, load_before = time.time(), provenance.load()
     shutil.rmtree(opts.work, ignore_errors=True)
     os.makedirs(opts.work)

@@ -12,9 +12,9 @@ bucket's group (comm/reduction.py); each built-in one also has
 `collective_bytes(state, layout)`, what it hands to collectives per bucket, so that
 `comm_stats()` predicts its bytes.
 """
-from .allreduce import allreduce_hook
+from .allreduce import AllreduceHook, allreduce_hook
 from .cast import CastCompressHook, bf16_compress_hook, fp16_compress_hook
-from .low_rank import LowRankState, low_rank_hook
+from .low_rank import LowRankHook, LowRankState, low_rank_hook
 
-__all__ = ["allreduce_hook", "CastCompressHook", "fp16_compress_hook", "bf16_compress_hook", "LowRankState",
-           "low_rank_hook"]
+__all__ = ["allreduce_hook", "AllreduceHook", "CastCompressHook", "fp16_compress_hook", "bf16_compress_hook",
+           "LowRankHook", "LowRankState", "low_rank_hook"]

@@ -17,6 +17,7 @@ after a run that succeeded.
 from __future__ import annotations
 
 import atexit
+import enum
 import gc
 import weakref
 from dataclasses import dataclass, field
@@ -28,6 +29,18 @@ import torch.distributed as dist
 from . import collectives
 
 
+class Quantity(str, enum.Enum):
+    """What a collective carries, as the counter files it (its value is the key of
+    CommCounter.by_quantity and comm_stats()["by_quantity"])."""
+
+    GRADIENTS = "gradients"  # averaged in every synchronising backward (sync_every=1)
+    PARAMETERS = "parameters"  # averaged after optimizer steps (sync_every > 1)
+    REFRESH = "refresh"  # the backward regime's broadcasts of the leaders' values
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass
 class CommCounter:
     """Bytes handed to collectives and their number, over `steps` synchronised steps."""
@@ -37,13 +50,14 @@ class CommCounter:
     steps: int = 0
     by_quantity: dict = field(default_factory=dict)
 
-    def add(self, quantity: str, buffer: torch.Tensor) -> None:
+    def add(self, quantity: Quantity | str, buffer: torch.Tensor) -> None:
         """Count one collective on `buffer`: its numel x element size bytes, under `quantity` in by_quantity."""
         n = buffer.numel() * buffer.element_size()
         self.bytes += n
         self.collectives += 1
-        b, c = self.by_quantity.get(quantity, (0, 0))
-        self.by_quantity[quantity] = (b + n, c + 1)
+        key = str(quantity)
+        b, c = self.by_quantity.get(key, (0, 0))
+        self.by_quantity[key] = (b + n, c + 1)
 
 
 class PendingCollective:
@@ -52,14 +66,25 @@ class PendingCollective:
     collectives.CollectiveError naming the operation and the group when it fails or
     outlasts its group's timeout."""
 
-    def __init__(self, work: dist.Work | None, operation: str, group: str, timeout: float | None):
+    def __init__(self, work: dist.Work | None, operation: str, group: str, timeout: float | None,
+                 tensor: torch.Tensor | None = None):
         self.work, self.operation, self.group, self.timeout = work, operation, group, timeout
+        self.tensor = tensor  # what the collective writes (a simulated one leaves it as it is)
 
     def wait(self) -> None:
         """Order the current stream after the collective (gloo: block until it completes);
         raise collectives.CollectiveError on failure or after the group's timeout."""
         if self.work is not None:
             collectives.wait_in_stream_order(self.work, self.operation, self.group, self.timeout)
+
+    def future(self) -> torch.futures.Future:
+        """The collective as a torch Future whose value is [tensor], as `work.get_future()`
+        gives (a simulated one: already completed); what a comm hook returns or chains."""
+        if self.work is not None:
+            return self.work.get_future()
+        done = torch.futures.Future()
+        done.set_result([self.tensor])
+        return done
 
 
 class Communicator:
@@ -123,14 +148,18 @@ class Communicator:
     def _global(self, rank: int) -> int:
         return rank if self.process_group is None else dist.get_global_rank(self.process_group, rank)
 
-    def all_reduce(self, buffer: torch.Tensor, owners: tuple, quantity: str) -> PendingCollective:
+    def group_of(self, owners: tuple) -> dist.ProcessGroup | None:
+        """The process group of owner set `owners` (None on a simulated rank)."""
+        return self.groups.get(owners)
+
+    def all_reduce(self, buffer: torch.Tensor, owners: tuple, quantity: Quantity | str) -> PendingCollective:
         """Asynchronous sum of `buffer` over `owners` (in place)."""
         self.counter.add(quantity, buffer)
         work = dist.all_reduce(buffer, group=self.groups[owners], async_op=True)
         return PendingCollective(work, f"all_reduce of {quantity}",
-                                 collectives.describe_group(owners, self.world_size), self.timeout)
+                                 collectives.describe_group(owners, self.world_size), self.timeout, buffer)
 
-    def broadcast(self, buffer: torch.Tensor, src: int, quantity: str) -> None:
+    def broadcast(self, buffer: torch.Tensor, src: int, quantity: Quantity | str) -> None:
         """Broadcast of `buffer` from plan rank `src` to every rank; the current stream is
         ordered after it (NCCL: the host does not wait)."""
         self.counter.add(quantity, buffer)
@@ -168,10 +197,14 @@ class SimulatedCommunicator(Communicator):
         self.world_size, self.rank, self.process_group, self.counter = world_size, rank, None, counter
         self.timeout, self.groups, self.world_group = None, {}, None
 
+    def group_of(self, owners):
+        """None: a simulated rank has no process groups."""
+        return None
+
     def all_reduce(self, buffer, owners, quantity):
         """Count the bytes of `buffer`; no communication (the buffer keeps this rank's values)."""
         self.counter.add(quantity, buffer)
-        return PendingCollective(None, f"all_reduce of {quantity}", "", None)
+        return PendingCollective(None, f"all_reduce of {quantity}", "", None, buffer)
 
     def broadcast(self, buffer, src, quantity):
         """Count the bytes of `buffer`; no communication (the buffer keeps this rank's values)."""

@@ -1,6 +1,7 @@
 """The engine's communication, built once from the plan, the config and this rank's layout.
 
-The cost model picks the strategy; the buckets (planning/buckets.py) fix what is averaged
+The gradient reduction (setup.gradient_reduction: an all-reduce, or reduce_dtype's cast
+hook) is fixed first, and the cost model picks the strategy with its wire bytes; the buckets (planning/buckets.py) fix what is averaged
 together; the Communicator makes the owner-set process groups (or a SimulatedCommunicator
 stands in for them); the averager, the backward regime's refresh and, with
 buffer_sync="broadcast", the leader's buffers (comm/buffer_sync.py) are each handed the
@@ -23,6 +24,7 @@ from ..planning.plan import SubnetPlan
 from ..planning.sharding import communicated_pieces
 from ..state.layout import RankLayout
 from .config import SDPConfig
+from .setup import gradient_reduction
 
 
 @dataclass
@@ -47,8 +49,9 @@ def build_communication(plan: SubnetPlan, layout: RankLayout, config: SDPConfig,
     sharded: FSDP2 communicates the shared parameters (shard_shared). module_sets: owner sets whose
     group a module needs (SyncBatchNorm: sync_norm.py)."""
     rank, world_size = layout.rank, layout.world_size
+    reduction = gradient_reduction(config)  # parameters (sync_every > 1) always go in their own dtype
     strategy, costs = choose_strategy(plan, config.strategy, config.latency_bytes, config.bucket_cap_bytes,
-                                      shard_shared=sharded)
+                                      shard_shared=sharded, wire=reduction if config.sync_every == 1 else None)
     counter = CommCounter()
     pieces = communicated_pieces(plan, sharded)
     broadcast_buffers = config.buffer_sync == "broadcast" and any(not p.is_param for p in pieces)
@@ -61,7 +64,7 @@ def build_communication(plan: SubnetPlan, layout: RankLayout, config: SDPConfig,
         Communicator(owner_sets, world_size, rank, process_group, counter, config.timeout, module_sets)
     places = layout.averaging_places()
     averager = BucketedAverager(buckets, rank, comm, device, places, overlap=config.overlap,
-                                average_gradients=config.sync_every == 1)
+                                average_gradients=config.sync_every == 1, reduction=reduction)
     refresh = CopyRefresher(layout.pieces, rank, world_size, places, comm) if config.regime == "backward" else None
     leader_buffers = LeaderBuffers(plan, layout.pieces, places, rank, comm, device) \
         if broadcast_buffers and world_size > 1 and not simulated else None

@@ -15,6 +15,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+import torch
+
 from ..comm.collectives import as_timedelta
 from ..planning.buckets import DEFAULT_BUCKET_CAP_MB
 from ..planning.costs import DEFAULT_LATENCY_BYTES, STRATEGIES
@@ -64,6 +66,11 @@ class SDPConfig:
             leader's values after each synchronising backward, the values torch DDP's
             broadcast_buffers gives: rank 0's at coverage 1 and for shared buffers). See
             comm/buffer_sync.py.
+        reduce_dtype: the dtype gradients travel in (torch.bfloat16, torch.float16, or their
+            names), as FSDP2's reduce_dtype: each bucket is divided by its group's size, cast,
+            all-reduced and cast back; gradients and their accumulation stay in their own
+            dtype. None (the default): the gradients' dtype. The bf16/fp16 comm hooks
+            (comm/hooks/cast.py) at that dtype; needs sync_every=1 and shard_shared=False.
     Raises:
         ValueError (when made) naming the option that is out of range, its value and the
         values it takes; TypeError for a numeric option that is not a number (timeout="5").
@@ -80,6 +87,7 @@ class SDPConfig:
     shard_shared: bool = False
     eval_forward: str = "subnetwork"
     buffer_sync: str = "average"
+    reduce_dtype: torch.dtype | str | None = None
 
     def __post_init__(self):
         for name in ("sync_every", "latency_bytes", "bucket_cap_mb", "timeout"):
@@ -112,6 +120,14 @@ class SDPConfig:
             raise ValueError(f"shard_shared=True averages the shared parameters' gradients every step (FSDP2's "
                              f"reduce-scatter), so it needs sync_every=1, got sync_every={self.sync_every}; use "
                              "shard_shared=False for local SGD")
+        object.__setattr__(self, "reduce_dtype", _wire_dtype(self.reduce_dtype))
+        if self.reduce_dtype is not None and self.sync_every != 1:
+            raise ValueError(f"reduce_dtype={self.reduce_dtype} is the dtype gradients travel in, so it needs "
+                             f"sync_every=1, got sync_every={self.sync_every} (which averages the parameters "
+                             "themselves, in their own dtype); use reduce_dtype=None for local SGD")
+        if self.reduce_dtype is not None and self.shard_shared:
+            raise ValueError(f"reduce_dtype={self.reduce_dtype} applies to SDP's buckets, but with shard_shared=True "
+                             "FSDP2 reduces the shared parameters' gradients in their own dtype; use one of the two")
 
     @property
     def bucket_cap_bytes(self) -> float:
@@ -126,6 +142,17 @@ class SDPConfig:
         if self.scale == "inverse" and (plan.level != "neuron" or self.regime != "forward"):
             raise ValueError(f"scale='inverse' applies to the neuron level in the forward regime; this plan is "
                              f"level={plan.level!r} and regime={self.regime!r}")
+
+
+def _wire_dtype(value) -> torch.dtype | None:
+    """reduce_dtype as a floating torch.dtype (a name such as "bfloat16" accepted), or None."""
+    if value is None or (isinstance(value, torch.dtype) and value.is_floating_point):
+        return value
+    named = getattr(torch, value, None) if isinstance(value, str) else None
+    if isinstance(named, torch.dtype) and named.is_floating_point:
+        return named
+    raise ValueError(f"reduce_dtype must be a floating torch.dtype (torch.bfloat16, torch.float16, ...) or its name, "
+                     f"or None, got {value!r}")
 
 
 OPTIONS = tuple(f.name for f in dataclasses.fields(SDPConfig))

@@ -62,7 +62,8 @@ class SubnetDataParallel(DDPInterface, nn.Module):
         model: the full model, identical on every rank (rank 0's values are broadcast).
         plan: from plan_subnetworks(model, world_size, ...) on the same model structure.
         config: the engine's options, an SDPConfig (regime, sync_every, scale, strategy,
-            latency_bytes, bucket_cap_mb, overlap, timeout, shard_shared, eval_forward; config.py).
+            latency_bytes, bucket_cap_mb, overlap, timeout, shard_shared, eval_forward, buffer_sync,
+            reduce_dtype; config.py).
             The same options may be given as keywords instead (`regime="backward"`).
         process_group: the group the plan's ranks live in (default: the world).
         simulate_rank: run only rank r of the plan's K ranks, alone, without
@@ -134,10 +135,10 @@ class SubnetDataParallel(DDPInterface, nn.Module):
         if self.config.regime == "backward" and self.config.sync_every == 1:
             self._direct_gradient_runs = attach_direct_gradients(
                 model, self._layout.piece_params, self._averager.direct_gradient_view,
-                weak_call(me, lambda engine, piece: engine._gradients_ready((piece,))))
+                weak_call(me, lambda engine, piece: engine._gradients_ready(pieces=(piece,))))
         for p in self._layout.trainable:
             self._hooks.append(p.register_post_accumulate_grad_hook(
-                weak_call(me, lambda engine, param: engine._gradients_ready(param=param))))
+                weak_call(me, SubnetDataParallel._gradients_ready)))
         # Hooks hold the engine weakly. The optimizer-hook registry is global, and a tensor's
         # hooks are kept from C++, where Python's garbage collector cannot see the cycle
         # parameter -> hook -> engine -> module -> parameter: strong references would keep
@@ -155,15 +156,12 @@ class SubnetDataParallel(DDPInterface, nn.Module):
                                        not self._simulated, self._counter)
 
     # ------------------------------------------------------------------ the step
-    def _gradients_ready(self, pieces=(), param=None) -> None:
+    def _gradients_ready(self, param=None, pieces=()) -> None:
         """A gradient hook's report (a parameter's, or pieces the masked kernel wrote): passed
         to the averager in a backward that averages, dropped while accumulating (no_sync)."""
         if self._phase is not Phase.TRAINING:
             return
-        if param is not None:
-            self._averager.on_param_grad_ready(param)
-        else:
-            self._averager.on_grad_ready(pieces)
+        self._averager.on_grad_ready(pieces, param)
         if self._leader_buffers is not None:  # buffer_sync="broadcast": after the averaging, when the backward ends
             self._leader_buffers.on_backward()
 

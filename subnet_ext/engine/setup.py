@@ -1,5 +1,5 @@
 """Small pieces of SubnetDataParallel's set-up: the (world size, rank) the engine runs as,
-the checks of where it runs, and hooks that hold the engine weakly."""
+the checks of where it runs, hooks that hold the engine weakly, and the reduction of gradients."""
 from __future__ import annotations
 
 import torch.distributed as dist
@@ -7,6 +7,8 @@ import torch.nn as nn
 
 from ..comm import collectives
 
+from ..comm.hooks.cast import CastCompressHook
+from ..comm.reduction import AllReduce, HookReduction, Reduction
 from ..planning.plan import SubnetPlan
 from .config import SDPConfig
 from .sharding import check_shard_shared
@@ -82,3 +84,11 @@ def check_placement(config: SDPConfig, plan: SubnetPlan, simulated: bool) -> Non
     if simulated and config.eval_forward == "full":
         raise ValueError("eval_forward='full' assembles the model from every rank's share, but simulate_rank runs one "
                          "rank alone; use eval_forward='subnetwork' (this rank's subnetwork)")
+
+
+def gradient_reduction(config: SDPConfig) -> Reduction:
+    """How gradient buckets are averaged (comm/reduction.py): one all-reduce in the gradients'
+    dtype, or with reduce_dtype the cast hook at that dtype (comm/hooks/cast.py)."""
+    if config.reduce_dtype is None:
+        return AllReduce()
+    return HookReduction(None, CastCompressHook(config.reduce_dtype))

@@ -24,6 +24,12 @@ def plan_for(model, level="block"):
     ({"overlap": "yes"}, "overlap must be True or False, got 'yes'"),
     ({"timeout": -5}, "timeout must be a positive, finite number of seconds, got -5"),
     ({"shard_shared": True, "sync_every": 2}, "needs sync_every=1, got sync_every=2"),
+    ({"reduce_dtype": "int8"}, "reduce_dtype must be a floating torch.dtype (torch.bfloat16, torch.float16, ...) "
+                               "or its name, or None, got 'int8'"),
+    ({"reduce_dtype": "bfloat16", "sync_every": 4}, "reduce_dtype=torch.bfloat16 is the dtype gradients travel in, "
+                                                    "so it needs sync_every=1, got sync_every=4"),
+    ({"reduce_dtype": "float16", "shard_shared": True}, "with shard_shared=True FSDP2 reduces the shared parameters' "
+                                                        "gradients in their own dtype"),
 ])
 def test_config_refuses_bad_values_by_name(options, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -100,4 +106,4 @@ def test_public_surface_is_the_documented_one():
         "no_sync", "require_backward_grad_sync", "after_step", "full_state_dict", "local_full_state_dict",
         "load_full_state_dict", "full_optimizer_state_dict", "load_full_optimizer_state_dict",
         "verify_consistency", "gradients_finite", "clip_grad_norm_", "full_model", "evaluate", "comm_stats",
-        "memory_report", "predicted_model_state_bytes", "close", "remove_hooks"])
+        "memory_report", "predicted_model_state_bytes", "close", "remove_hooks", "register_comm_hook"])

@@ -68,12 +68,17 @@ class CommBucket:
     def __init__(self, layout: Bucket, index: int, rank: int, buffer: torch.Tensor, comm: Communicator):
         self.layout, self._index, self._buffer, self._comm = layout, index, buffer, comm
         self.owners = layout.owners
-        self.process_group = comm.group_of(layout.owners)
         self.group_size = 1 if comm.simulated else len(layout.owners)
         self.scale = 1.0 / self.group_size
         self.pieces = tuple(BucketPiece(p.name, off, rows, cols, p.owners, rank in p.owners)
                             for p, off, (rows, cols) in zip(layout.pieces, layout.offsets, layout.shapes))
         self._matrices = None
+
+    @property
+    def process_group(self):
+        """The owners' process group, asked of the communicator at each use (it holds the
+        groups alone, so that releasing them at exit leaves no reference here)."""
+        return self._comm.group_of(self.owners)
 
     def buffer(self) -> torch.Tensor:
         """The flat buffer [numel] in the gradients' dtype: this rank's packed gradients (zeros in

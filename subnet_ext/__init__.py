@@ -14,10 +14,14 @@ from . import ops
 from .ops import reference
 from .ops.build_info import build_info
 from .comm.collectives import CollectiveError
+from .comm.call_check import CallOrderError
 from .state.consistency import ConsistencyError
 from .engine import SDPConfig, SubnetDataParallel
+from .engine.ema import ExponentialMovingAverage
 from .engine.grad_scaler import GradScaler
 from .engine.guard import NonFiniteGuard, TooManySkippedSteps
+from .engine.optimizer_guard import StaleOptimizerError
+from .engine.state_dict_guard import PartialStateError
 from .planning.plan import SubnetPlan, Unit, plan_subnetworks
 
 __version__ = "0.1.0"
@@ -25,11 +29,15 @@ __version__ = "0.1.0"
 __all__ = [
     "SubnetDataParallel",
     "SDPConfig",
+    "ExponentialMovingAverage",
     "GradScaler",
     "NonFiniteGuard",
     "TooManySkippedSteps",
     "ConsistencyError",
     "CollectiveError",
+    "CallOrderError",
+    "PartialStateError",
+    "StaleOptimizerError",
     "checkpoint",
     "SubnetPlan",
     "Unit",

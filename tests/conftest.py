@@ -24,6 +24,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    from gpu_marks import SUMMARY_LINES
+
+    for line in SUMMARY_LINES:
+        terminalreporter.write_line(line)
     if config.getoption("markexpr", "") != "cuda":
         return
     stats = terminalreporter.stats

@@ -17,3 +17,8 @@ def needs_two_gpus(test):
     """Two GPUs and this build's CUDA kernels."""
     skip = pytest.mark.skipif("cuda" not in DEVICES or torch.cuda.device_count() < 2, reason="needs two GPUs")
     return pytest.mark.cuda(skip(test))
+
+
+# Lines a test wants shown at the end of the run whatever the capture mode (tests/conftest.py
+# prints them in the terminal summary), e.g. how many GPU tests a GPU machine would run.
+SUMMARY_LINES: list[str] = []

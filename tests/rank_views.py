@@ -48,3 +48,19 @@ def owners_mean(plan, per_rank: list) -> dict:
         out[p.name].narrow(p.dim, p.start, p.length).copy_(
             torch.stack([t.narrow(p.dim, p.start, p.length) for t in parts]).mean(0))
     return out
+
+
+def to_full(plan, rank: int, module, tensor_of) -> dict:
+    """{full name: full-shape float32 tensor}: tensor_of(local parameter) (a tensor of the
+    parameter's local shape, or None) placed where local_views says the parameter's elements
+    come from, NaN elsewhere. The inverse of local_views, for gathering ranks' local
+    gradients into full-model coordinates."""
+    out = {}
+    for param, name, view in local_views(plan, rank, module):
+        value = tensor_of(param)
+        if value is None:
+            continue
+        full = out.setdefault(name, torch.full(plan.tensor_shapes[name], float("nan")))
+        where = view(torch.arange(full.numel()).view(full.shape))  # the full positions of the local elements
+        full.view(-1)[where.reshape(-1)] = value.detach().float().reshape(-1)
+    return out

@@ -19,42 +19,53 @@ def _model_name(value: str) -> str:
     raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from {', '.join(MODELS)} or hf:DIR)")
 
 
+DESCRIPTION = """\
+Train a model with Subnetwork Data Parallelism (sdp), torch DDP (ddp) or FSDP2 (fsdp) on
+one or more processes, and report its loss, memory and communication per rank.
+
+  subnet-train --method sdp --level neuron --coverage 0.5 --nproc 4     # 4 local CPU/GPU workers
+  torchrun --nproc-per-node 4 -m subnet_ext.cli.train --method sdp ...  # under torchrun
+  subnet-train compare [--nproc 2 --seeds 5 ...]    # DDP and the four SDP variants, one table
+                                                    # (subnet-train compare --help)
+
+Coverage C: the fraction of ranks that own each unit (a neuron, head, channel or residual
+block); each unit gets round(C x ranks) owners, at least one. The SDP options apply to
+--method sdp only. Docs: docs/command-line.md."""
+
+SDP_ONLY = ("level", "regime", "coverage", "sync_every", "scale", "no_overlap")  # ignored by ddp and fsdp
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The description as written, and each option's default after its help (none for an
+    option that is off or unset by default)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if unset or "%(default)" in text or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of `subnet-train` (method, model, data, steps, SDP level/regime, checkpoints, ...)."""
-    p = argparse.ArgumentParser(prog="subnet-train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--method", choices=METHODS, default="sdp", help="training method (default sdp)")
+    p = argparse.ArgumentParser(prog="subnet-train", description=DESCRIPTION, formatter_class=HelpFormatter)
+    p.add_argument("--method", choices=METHODS, default="sdp", help="training method")
     p.add_argument("--model", type=_model_name, default="mlp", metavar="{mlp,resnet,llama,gpt,hf:DIR}",
                    help="hf:DIR: a transformers causal LM (DIR/config.json; weights optional), on token data; "
                         'needs pip install "subnet_ext[hf]"')
     p.add_argument("--preset", default=None, help="model preset (llama: tiny|small|medium|134m|1b; "
                                                   "gpt: tiny|small|medium)")
     p.add_argument("--width", type=int, default=None, help="override the preset's width")
-    p.add_argument("--data", default="digits", help="digits (bundled, default) | cifar:PATH (python-pickle layout) "
+    p.add_argument("--data", default="digits", help="digits (bundled) | cifar:PATH (python-pickle layout) "
                    "| synthetic | pysrc (the Python standard library's sources as characters) | tokens:PATH.bin")
-    sdp = p.add_argument_group("SDP")
-    sdp.add_argument("--level", choices=("block", "neuron"), default="block")
-    sdp.add_argument("--regime", choices=("forward", "backward"), default="forward")
-    sdp.add_argument("--coverage", type=float, default=0.5, help="fraction of ranks owning each unit, in (0, 1]")
-    sdp.add_argument("--sync-every", type=int, default=1, help="H: average parameters every H steps (H>1)")
-    sdp.add_argument("--scale", choices=("none", "inverse"), default="none")
-    sdp.add_argument("--bucket-cap-mb", type=float, default=DEFAULT_BUCKET_CAP_MB,
-                     help="MiB per packed collective (SDP buckets; DDP's bucket_cap_mb too)")
-    sdp.add_argument("--no-overlap", action="store_true",
-                     help="issue SDP's all-reduces after the backward instead of during it (for measurement)")
-    sdp.add_argument("--simulate-rank", type=int, default=None, metavar="R",
-                     help="run only rank R of a --world-size K SDP job, alone on this device; collectives "
-                          "become no-ops that still count bytes (measures one rank's memory and time)")
-    sdp.add_argument("--world-size", type=int, default=None, metavar="K", help="K for --simulate-rank")
-    sdp.add_argument("--shard-shared", action="store_true",
-                     help="shard the shared parameters (embeddings, head, norms, ...) over the ranks with torch FSDP2; "
-                          "SDP averages only the units")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch-size", type=int, default=32, help="per rank")
+    _add_sdp_args(p)
+    p.add_argument("--seed", type=int, default=0, help="seed of the model, the data order and the plan")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    p.add_argument("--batch-size", type=int, default=32, help="examples per rank per micro-batch")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (language models)")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: only at the end)")
     _add_training_args(p)
     run = p.add_argument_group("launch")
@@ -69,9 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     rel.add_argument("--max-skipped", type=int, default=None,
                      help="stop after more than K steps were skipped for inf/NaN gradients (default: never stop)")
     ck = p.add_argument_group("checkpoints and output")
-    ck.add_argument("--save-dir", default=None)
-    ck.add_argument("--save-every", type=int, default=0)
-    ck.add_argument("--keep-last", type=int, default=3, help="keep the newest N checkpoints (default 3)")
+    ck.add_argument("--save-dir", default=None, help="folder for checkpoints (none: no checkpoints)")
+    ck.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
+    ck.add_argument("--keep-last", type=int, default=3, help="keep the newest N checkpoints")
     ck.add_argument("--resume", nargs="?", const="latest", default=None, metavar="latest|auto|PATH",
                     help="continue from the newest good checkpoint in --save-dir (latest, the default), from it "
                          "if there is one (auto: otherwise start fresh; for torchrun --max-restarts), or from "
@@ -79,6 +90,34 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--out", default=None, help="folder for report.json, report.md and plots")
     ck.add_argument("--stop-after", type=int, default=0, help=argparse.SUPPRESS)  # interruption, for tests
     return p
+
+
+def _add_sdp_args(p: argparse.ArgumentParser) -> None:
+    """The SDP options (SDP_ONLY are refused with another --method)."""
+    sdp = p.add_argument_group("SDP")
+    sdp.add_argument("--level", choices=("block", "neuron"), default="block",
+                     help="unit: whole residual blocks, or neurons, attention heads and conv channels")
+    sdp.add_argument("--regime", choices=("forward", "backward"), default="forward",
+                     help="forward: each rank runs only its subnetwork; backward: the full forward, gradients and "
+                          "optimizer state only for the owned units")
+    sdp.add_argument("--coverage", type=float, default=0.5,
+                     help="fraction of ranks owning each unit, in (0, 1]; rounded to whole owners, at least one")
+    sdp.add_argument("--sync-every", type=int, default=1,
+                     help="H: 1 averages gradients every step; H > 1 averages parameters every H steps")
+    sdp.add_argument("--scale", choices=("none", "inverse"), default="none",
+                     help="inverse: scale each neuron group's consumer input by full width / kept width (neuron "
+                          "level, forward regime)")
+    sdp.add_argument("--bucket-cap-mb", type=float, default=DEFAULT_BUCKET_CAP_MB,
+                     help="MiB per packed collective (SDP buckets; DDP's bucket_cap_mb too)")
+    sdp.add_argument("--no-overlap", action="store_true",
+                     help="issue SDP's all-reduces after the backward instead of during it (for measurement)")
+    sdp.add_argument("--simulate-rank", type=int, default=None, metavar="R",
+                     help="run only rank R of a --world-size K SDP job, alone on this device; collectives "
+                          "become no-ops that still count bytes (measures one rank's memory and time)")
+    sdp.add_argument("--world-size", type=int, default=None, metavar="K", help="K for --simulate-rank")
+    sdp.add_argument("--shard-shared", action="store_true",
+                     help="shard the shared parameters (embeddings, head, norms, ...) over the ranks with torch FSDP2; "
+                          "SDP averages only the units")
 
 
 def _add_training_args(p: argparse.ArgumentParser) -> None:
@@ -124,6 +163,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if not (args.weight_decay >= 0 and math.isfinite(args.weight_decay)):
         p.error(f"--weight-decay must be >= 0 and finite, got {args.weight_decay}")
     _check_training_args(p, args)
+    _check_method_options(p, args)
     if args.width is not None and args.width < 1:
         p.error(f"--width must be at least 1, got {args.width}")
     _check_preset(p, args)
@@ -166,6 +206,18 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                     "drop --verify-every")
     if args.data.startswith(("cifar:", "tokens:")) and not os.path.exists(args.data.split(":", 1)[1]):
         p.error(f"--data {args.data}: path {args.data.split(':', 1)[1]!r} does not exist")
+
+
+def _check_method_options(p, args) -> None:
+    """Refuse SDP options given to ddp or fsdp (set to other values than their defaults), which
+    would otherwise be ignored without a word."""
+    if args.method == "sdp":
+        return
+    given = [f"--{name.replace('_', '-')}" + ("" if getattr(args, name) is True else f" {getattr(args, name)}")
+             for name in SDP_ONLY if getattr(args, name) != p.get_default(name)]
+    if given:
+        p.error(f"{', '.join(given)}: SDP option(s), but --method {args.method} trains the whole model on every rank "
+                f"and would ignore them; drop them, or use --method sdp")
 
 
 def _check_shard_shared(p, args) -> None:

@@ -30,19 +30,23 @@ def _positive_int(value: str) -> int:
 
 def build_parser():
     """The argparse parser of `subnet-train compare` (workers, steps, coverage, model, data, output folder)."""
-    p = argparse.ArgumentParser(prog="subnet-train compare", description=__doc__)
-    p.add_argument("--nproc", type=_positive_int, default=2)
-    p.add_argument("--steps", type=_positive_int, default=400)
-    p.add_argument("--coverage", type=float, default=0.5)
-    p.add_argument("--model", default="mlp")
-    p.add_argument("--preset", default=None)
-    p.add_argument("--data", default="digits")
-    p.add_argument("--batch-size", type=_positive_int, default=32)
-    p.add_argument("--lr", type=float, default=3e-3)
+    from .arguments import HelpFormatter
+
+    p = argparse.ArgumentParser(prog="subnet-train compare", formatter_class=HelpFormatter, description=(
+        "Train DDP and the four SDP variants (block/neuron level x forward/backward regime) with the same\n"
+        "settings, one after another, and write one comparison table and plots (make demo runs it)."))
+    p.add_argument("--nproc", type=_positive_int, default=2, help="local workers of every run")
+    p.add_argument("--steps", type=_positive_int, default=400, help="optimizer steps of every run")
+    p.add_argument("--coverage", type=float, default=0.5, help="the SDP runs' coverage, in (0, 1]")
+    p.add_argument("--model", default="mlp", help="as subnet-train --model")
+    p.add_argument("--preset", default=None, help="as subnet-train --preset")
+    p.add_argument("--data", default="digits", help="as subnet-train --data")
+    p.add_argument("--batch-size", type=_positive_int, default=32, help="examples per rank")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     p.add_argument("--seed", type=int, default=0, help="first seed")
     p.add_argument("--seeds", type=_positive_int, default=1, help="repeat every run over N seeds (mean ± std)")
     p.add_argument("--with-fsdp", action="store_true", help="also run torch FSDP2 (fully_shard)")
-    p.add_argument("--out", default="runs/compare")
+    p.add_argument("--out", default="runs/compare", help="folder for compare.md, compare.json and the plots")
     return p
 
 
@@ -56,9 +60,9 @@ def run_variants(opts, variants, seed: int) -> list[dict]:
         label = method if method != "sdp" else f"sdp-{level}-{regime}"
         overrides = dict(method=method, model=opts.model, preset=opts.preset, data=opts.data, steps=opts.steps,
                          batch_size=opts.batch_size, lr=opts.lr, seed=seed, nproc=opts.nproc,
-                         coverage=opts.coverage, out=os.path.join(opts.out, f"seed{seed}", label))
+                         out=os.path.join(opts.out, f"seed{seed}", label))
         if method == "sdp":
-            overrides.update(level=level, regime=regime)
+            overrides.update(level=level, regime=regime, coverage=opts.coverage)
         args = training_args(**overrides)
         print(f"[compare] {label} seed {seed}: {opts.nproc} workers, {opts.steps} steps ...", flush=True)
         reports.append(run(args))

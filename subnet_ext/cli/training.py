@@ -50,8 +50,13 @@ def lr_factor(taken: int, total: int, warmup: int, schedule: str) -> float:
 
 def make_optimizer(parameters, args) -> torch.optim.Optimizer:
     """The run's optimizer: torch's AdamW at --lr and --weight-decay, fused (one kernel per
-    device and dtype), which skips a step on the device when handed a found-inf flag."""
-    return torch.optim.AdamW(parameters, lr=args.lr, weight_decay=args.weight_decay, fused=True)
+    device and dtype), which skips a step on the device when handed a found-inf flag.
+    Not fused when FSDP2's DTensors sit beside plain tensors (--shard-shared: fused AdamW
+    refuses the mix); such a run decides its skips on the host (OptimizerStep.finish)."""
+    parameters = list(parameters)
+    sharded = [hasattr(p, "to_local") for p in parameters]
+    fused = all(sharded) or not any(sharded)
+    return torch.optim.AdamW(parameters, lr=args.lr, weight_decay=args.weight_decay, fused=fused)
 
 
 def make_scheduler(optimizer, base_lr: float, total: int, warmup: int, schedule: str, taken: int = 0):
@@ -150,15 +155,11 @@ class OptimizerStep:
         guard: engine.guard.NonFiniteGuard (it also keeps the scaler's flags).
         args: grad_accum, grad_clip, precision, lr, lr_schedule, warmup_steps, steps.
         taken: steps already taken (a resumed run, skipped ones included), to position the schedule.
-
-    Raises:
-        ValueError: an optimizer that cannot take a found-inf flag (not fused).
+    An optimizer that takes no found-inf flag (make_optimizer's unfused AdamW beside FSDP2's
+    DTensors) has its skips decided on the host: one read of the agreed flag per step.
     """
 
     def __init__(self, method, optimizer, guard, args, device: torch.device, taken: int = 0):
-        if not getattr(optimizer, "_step_supports_amp_scaling", False):
-            raise ValueError(f"OptimizerStep: {type(optimizer).__name__} cannot skip a step on the device (its "
-                             "step() takes no found-inf flag); build it with make_optimizer (AdamW, fused=True)")
         self.method, self.optimizer, self.guard, self.device = method, optimizer, guard, device
         self.micro_steps, self.max_norm, self.precision = args.grad_accum, args.grad_clip, args.precision
         self.scaler = make_scaler(method.name, args.precision, device)
@@ -204,7 +205,10 @@ class OptimizerStep:
         else:
             skip = self.guard.check(self.method.parameters(), step)
             norm = self._clip()
-            self.guard.optimizer_step(self.optimizer, skip)
+            if getattr(self.optimizer, "_step_supports_amp_scaling", False):
+                self.guard.optimizer_step(self.optimizer, skip)
+            elif skip.item() == 0.0:  # an optimizer that takes no flag (make_optimizer): decided on the host
+                self.optimizer.step()
         self.scheduler.step()
         return {"lr": lr, "grad_norm": norm, "skip": skip}
 

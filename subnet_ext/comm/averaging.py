@@ -2,17 +2,21 @@
 
 The buckets (buckets.py) fix which pieces share a buffer and the one global order in
 which buckets are issued. During the backward the engine reports each parameter whose
-gradient is ready (`grad_ready`, from a post-accumulate-grad hook); a bucket whose pieces
-are all ready is packed and its all-reduce issued asynchronously, as soon as every
-earlier bucket of this rank has been issued (torch DDP's reducer does the same), so the
-communication runs while the rest of the backward computes. `finish()`, queued at the end
-of the backward, issues what is left, waits in order and unpacks each bucket in place
-times 1/owner-count. With overlap off every bucket is issued by `finish()`: the same
-buffers and the same sums, only later, so both paths give bit-identical results.
+gradient is ready (`on_grad_ready`, from a post-accumulate-grad hook); a bucket whose
+pieces are all ready is packed into its buffer and handed to the reduction
+(reduction.py: the all-reduce, or a comm hook) as soon as every earlier bucket of this
+rank has been issued (torch DDP's reducer does the same), so the communication runs
+while the rest of the backward computes. At the end of the backward a queued callback
+issues what is left, waits for each bucket in order and unpacks it in place times its
+scale (1/owner-count). With overlap off every bucket is issued by that callback: the same
+buffers and the same sums, only later, so both paths give bit-identical results. One
+backward's state (which buckets still wait for gradients, which were issued) is one
+`_Pass` object, alive from the first gradient to the callback.
 
-Each bucket has one persistent buffer (like DDP's), reused for gradients and, with
-sync_every > 1, for parameters. Where each piece lives is handed over once, at
-construction, as PiecePlace tables (places.py): the averager calls nothing above comm.
+Each bucket has one persistent buffer (like DDP's) in the dtype of its pieces, reused for
+gradients and, with sync_every > 1, for parameters. Where each piece lives is handed over
+once, at construction, as PiecePlace tables (places.py): the averager calls nothing above
+comm.
 
 Gradients keep their addresses for the life of the engine, so the prepared segment
 tables are built once and a step neither validates nor uploads one (no host work, no
@@ -37,70 +41,71 @@ from torch.autograd import Variable
 from .. import ops
 from ..planning.buckets import Bucket
 from ..planning.pieces import Piece
-from .communicator import Communicator
+from .communicator import Communicator, Quantity
 from .places import PiecePlace, area
 from .prepared import PreparedTables
+from .reduction import AllReduce, CommBucket, Reduction
 
 
 class _BucketState:
-    """One bucket on this rank: the pieces it holds there, their tables and the buffer."""
+    """One bucket on this rank: the pieces it holds there, its buffer, their tables and the
+    CommBucket a reduction is handed."""
 
-    def __init__(self, bucket: Bucket, rank: int, simulated: bool):
-        self.bucket = bucket
+    def __init__(self, bucket: Bucket, index: int, rank: int):
+        self.bucket, self.index, self.rank = bucket, index, rank
         self.held = [(p, off) for p, off in zip(bucket.pieces, bucket.offsets) if rank in p.owners]
         # Zero-filled buckets carry pieces this rank does not hold: zeros stand for them.
         self.zero_fill = len(self.held) < len(bucket.pieces)
-        self.simulated = simulated
         self.param_pieces = sum(1 for p, _ in self.held if p.is_param)
         self.buffer = None
-        self.tables = {}  # quantity -> (one piece per tensor of the tensor list, segment table, scales)
-        self.pending = 0
+        self.comm_bucket = None
+        # (quantity, averaged over the group) -> (one piece per tensor of the tensor list, segment table, scales)
+        self.tables = {}
         # piece -> (buffer offset, numel): its parameter's gradient lives in the buffer itself
         # (the parameter's .grad is a view of it; the masked kernel may write it there directly).
         self.in_place = {}
         self.gradient_params = []  # the trainable parameters of the held pieces (whose .grad is made a home)
-        self._scaled = None  # ([1-D views of the in-place pieces], [their 1/owner-count]), made once
+        self._scaled = {}  # averaged over the group -> ([1-D views of the in-place pieces], [their scales])
 
-    def table(self, quantity: str, source):
-        """Which local tensors the held pieces live in, where, and the unpack scale of each
-        (1/owner-count; 1 when simulated: "as if every owner held this rank's values").
-        Static per quantity, so built once."""
-        if quantity not in self.tables:
-            tensor_pieces, tensor_index, rows, scales = [], {}, [], []
-            for p, off in self.held:
-                if quantity == "gradients" and p in self.in_place:
-                    continue  # already in the buffer: neither packed nor copied back
-                tensor, (r0, r1, c0, c1) = source(p)
-                if id(tensor) not in tensor_index:
-                    tensor_index[id(tensor)] = len(tensor_pieces)
-                    tensor_pieces.append(p)
-                rows.append((tensor_index[id(tensor)], r0, r1, c0, c1, off))
-                scales.append(1.0 if self.simulated else 1.0 / len(p.owners))
-            table = torch.tensor(rows, dtype=torch.int64) if rows else torch.empty(0, 6, dtype=torch.int64)
-            self.tables[quantity] = (tensor_pieces, table, torch.tensor(scales, dtype=torch.float32))
-        return self.tables[quantity]
-
-    def tensors(self, quantity: str, source):
-        """(local tensors, segment table, scales) of the held pieces; `source(piece)` ->
-        (the tensor holding the piece's `quantity`, its rectangle) is the averager's."""
-        tensor_pieces, table, scales = self.table(quantity, source)
-        return [source(p)[0] for p in tensor_pieces], table, scales
-
-    def ensure_buffer(self, device) -> torch.Tensor:
+    def ensure_buffer(self, device: torch.device, comm: Communicator) -> torch.Tensor:
         """The bucket's persistent buffer [numel], allocated (zeroed) at its first use."""
         if self.buffer is None:
             # Zeroed once: the alignment gaps between pieces (buckets.py) are never packed,
             # so they stay zero through every all-reduce instead of summing garbage.
             self.buffer = torch.zeros(self.bucket.numel, dtype=getattr(torch, self.bucket.dtype), device=device)
+            self.comm_bucket = CommBucket(self.bucket, self.index, self.rank, self.buffer, comm)
         return self.buffer
 
-    def scale_in_place(self) -> None:
-        """Multiply every in-place gradient by its 1/owner-count (one multi-tensor launch)."""
-        if self._scaled is None:
+    def scale(self, piece: Piece, averaged: bool, simulated: bool) -> float:
+        """What the buffer's value of `piece` is multiplied by when unpacked: 1/owner-count after
+        a sum over the group, group size/owner-count after a mean over it; 1 when simulated
+        ("as if every owner held this rank's values")."""
+        if simulated:
+            return 1.0
+        return (len(self.bucket.owners) if averaged else 1) / len(piece.owners)
+
+    def scale_in_place(self, averaged: bool, simulated: bool) -> None:
+        """Multiply every in-place gradient by its scale (one multi-tensor launch; none when all are 1)."""
+        if averaged not in self._scaled:
             views = [self.buffer.narrow(0, off, n) for off, n in self.in_place.values()]
-            self._scaled = (views, [1.0 / len(p.owners) for p in self.in_place])
-        if self._scaled[0]:
-            torch._foreach_mul_(*self._scaled)
+            scales = [self.scale(p, averaged, simulated) for p in self.in_place]
+            self._scaled[averaged] = (views, scales) if any(s != 1.0 for s in scales) else ([], [])
+        if self._scaled[averaged][0]:
+            torch._foreach_mul_(*self._scaled[averaged])
+
+
+class _Pass:
+    """One synchronisation: the averaging of one backward's gradients, or of the parameters.
+
+    waiting[i]: gradients bucket i still waits for (a backward's); next: the first bucket not
+    issued yet (they are issued in the one global order); issued: (bucket state, its
+    reduction in flight), in issue order."""
+
+    def __init__(self, quantity: Quantity, states: list[_BucketState]):
+        self.quantity = quantity
+        self.waiting = [s.param_pieces for s in states]
+        self.next = 0
+        self.issued = []
 
 
 class BucketedAverager:
@@ -117,38 +122,45 @@ class BucketedAverager:
         overlap: issue a bucket during the backward as soon as it is ready.
         average_gradients: False with sync_every > 1 (parameters are averaged after
             optimizer steps instead): gradient reports then do nothing.
+        reduction: how gradient buckets are averaged (reduction.py; default AllReduce);
+            `set_reduction` changes it (a comm hook). Parameters always go by AllReduce.
 
-    The engine reports gradients (`on_param_grad_ready`, `on_grad_ready`) only in
-    backward passes that average (not under no_sync()). One backward's state lives here:
-    whether the end-of-backward callback is queued, which buckets were issued, how many
-    gradients each bucket still waits for.
+    The engine reports gradients (`on_grad_ready`) only in backward passes that average
+    (not under no_sync()).
     """
 
     def __init__(self, buckets: list[Bucket], rank: int, communicator: Communicator, device: torch.device,
-                 places: Mapping[Piece, PiecePlace], overlap: bool = True, average_gradients: bool = True):
+                 places: Mapping[Piece, PiecePlace], overlap: bool = True, average_gradients: bool = True,
+                 reduction: Reduction | None = None):
         self.comm, self.device, self.overlap = communicator, device, overlap
         self.average_gradients = average_gradients
+        self.reduction = reduction if reduction is not None else AllReduce(Quantity.GRADIENTS)
+        self._parameter_reduction = AllReduce(Quantity.PARAMETERS)
         self.places = dict(places)
-        self._queued = False  # the end-of-backward callback is queued on the autograd engine
+        self._backward = None  # the _Pass of the backward in progress (its end-of-backward callback is queued)
         self._pieces_of_param = {}  # id(trainable parameter) -> the held pieces its gradient carries
         for place in self.places.values():
             if place.trainable:
                 self._pieces_of_param.setdefault(id(place.param), []).append(place.piece)
-        self.states = [_BucketState(b, rank, communicator.simulated) for b in buckets if rank in b.owners]
+        self.states = [_BucketState(b, i, rank) for i, b in enumerate(buckets) if rank in b.owners]
         self.buckets_of_piece = {}
         for i, s in enumerate(self.states):
             for p, _ in s.held:
                 self.buckets_of_piece.setdefault(p, []).append(i)
-        self._issued = []
-        self._next = 0
         self.issued_during_backward = 0  # buckets issued before the backward ended (overlap)
         self.prepared = PreparedTables()  # segment tables validated once per layout
         self._homes = {}  # id(parameter) -> its gradient home (made at its first issue)
         self._bucket_places = {}  # id(parameter) -> (bucket state, offset) of a home inside a bucket
-        self._direct = set()  # pieces whose gradient the masked kernel writes into the bucket
         if average_gradients:
             self._place_gradients()
 
+    def set_reduction(self, reduction: Reduction) -> None:
+        """Average gradient buckets by `reduction` from the next backward on (a comm hook)."""
+        if self._backward is not None:
+            raise RuntimeError("the reduction of gradients cannot change during a backward pass")
+        self.reduction = reduction
+
+    # ------------------------------------------------------------------ gradient homes
     def _place_gradients(self) -> None:
         """Decide each communicated parameter's gradient home: in its bucket when the
         parameter is one whole piece in one bucket that is not zero-filled, else standalone."""
@@ -175,26 +187,11 @@ class BucketedAverager:
             place = self._bucket_places.get(id(param))
             if place is not None:
                 state, offset = place
-                home = state.ensure_buffer(self.device).narrow(0, offset, param.numel()).view(param.shape)
+                home = state.ensure_buffer(self.device, self.comm).narrow(0, offset, param.numel()).view(param.shape)
             else:
                 home = torch.zeros_like(param, memory_format=torch.contiguous_format)
             self._homes[id(param)] = home
         return home
-
-    def _source(self, quantity: str):
-        """piece -> (tensor holding its `quantity`, its rectangle): a parameter piece's gradient
-        lives in its parameter's home, anything else (values, buffers) where the value lives."""
-        def value(piece):
-            place = self.places[piece]
-            return place.value, place.value_rect
-
-        def gradient(piece):
-            place = self.places[piece]
-            if place.param is None:
-                return place.value, place.value_rect  # a buffer (norm statistics) is averaged as its value
-            return self._home(place.param), place.grad_rect
-
-        return gradient if quantity == "gradients" else value
 
     def _adopt_gradients(self, s: _BucketState) -> None:
         """Make each parameter's home its .grad: copy a gradient autograd allocated afresh
@@ -209,6 +206,35 @@ class BucketedAverager:
             else:
                 home.copy_(grad)
             param.grad = home
+
+    def _where(self, piece: Piece, quantity: Quantity) -> tuple[torch.Tensor, tuple]:
+        """(the tensor holding `piece`'s `quantity`, its rectangle): a parameter piece's gradient
+        lives in its parameter's home, anything else (values, buffers) where the value lives;
+        a buffer (norm statistics) is averaged as its value in the gradient pass too."""
+        place = self.places[piece]
+        if quantity is Quantity.GRADIENTS and place.param is not None:
+            return self._home(place.param), place.grad_rect
+        return place.value, place.value_rect
+
+    def _segments(self, s: _BucketState, quantity: Quantity, averaged: bool):
+        """(local tensors, segment table, unpack scales) of the held pieces' `quantity`. Static
+        per (quantity, whether the reduction leaves the group's mean), so built once."""
+        key = (quantity, averaged)
+        if key not in s.tables:
+            tensor_pieces, tensor_index, rows, scales = [], {}, [], []
+            for p, off in s.held:
+                if quantity is Quantity.GRADIENTS and p in s.in_place:
+                    continue  # already in the buffer: neither packed nor copied back
+                tensor, (r0, r1, c0, c1) = self._where(p, quantity)
+                if id(tensor) not in tensor_index:
+                    tensor_index[id(tensor)] = len(tensor_pieces)
+                    tensor_pieces.append(p)
+                rows.append((tensor_index[id(tensor)], r0, r1, c0, c1, off))
+                scales.append(s.scale(p, averaged, self.comm.simulated))
+            table = torch.tensor(rows, dtype=torch.int64) if rows else torch.empty(0, 6, dtype=torch.int64)
+            s.tables[key] = (tensor_pieces, table, torch.tensor(scales, dtype=torch.float32))
+        tensor_pieces, table, scales = s.tables[key]
+        return [self._where(p, quantity)[0] for p in tensor_pieces], table, scales
 
     @property
     def buffer_bytes(self) -> int:
@@ -226,86 +252,77 @@ class BucketedAverager:
         s = next((s for s in self.states if piece in s.in_place), None)
         if s is None or s.in_place[piece][1] != numel:
             return None
-        self._direct.add(piece)
         # Its readiness now comes from the kernel's call (on_grad_ready), not from the
         # parameter's accumulate hook, which would report it a second time.
         for pieces in self._pieces_of_param.values():
             if piece in pieces:
                 pieces.remove(piece)
-        return s.ensure_buffer(self.device).narrow(0, s.in_place[piece][0], numel)
+        return s.ensure_buffer(self.device, self.comm).narrow(0, s.in_place[piece][0], numel)
 
-    def direct_gradient_pieces(self) -> set:
-        """The pieces whose gradient a kernel writes straight into a bucket buffer."""
-        return set(self._direct)
-
-    def on_param_grad_ready(self, param) -> None:
-        """A post-accumulate-grad hook's report: `param`'s gradient is final for this backward."""
-        self.on_grad_ready(self._pieces_of_param.get(id(param), ()))
-
-    def on_grad_ready(self, pieces) -> None:
-        """The gradients of these held pieces are final for this backward. The first report
-        of a backward queues `finish` on the autograd engine for when the backward ends."""
+    # ------------------------------------------------------------------ the backward
+    def on_grad_ready(self, pieces=(), param=None) -> None:
+        """These held pieces' gradients, or those `param`'s carries (its post-accumulate-grad
+        hook's report), are final for this backward: count them, and issue in order every
+        bucket that is complete. The first report of a backward starts its _Pass and queues
+        the end-of-backward callback on the autograd engine."""
+        if param is not None:
+            pieces = self._pieces_of_param.get(id(param), ())
         if not self.average_gradients:
             return  # local SGD: parameters are averaged after optimizer steps instead
-        if not self._queued:
-            self._queued = True
-            self._start_backward()
+        run = self._backward
+        if run is None:
+            run = self._backward = _Pass(Quantity.GRADIENTS, self.states)
             Variable._execution_engine.queue_callback(self._after_backward)
-        with torch.no_grad():
-            self._grad_ready(pieces)
-
-    def _after_backward(self) -> None:
-        self._queued = False
-        with torch.no_grad():
-            self.finish("gradients")
-
-    def _start_backward(self) -> None:
-        """Called when the first gradient of a backward is ready."""
-        for s in self.states:
-            s.pending = s.param_pieces
-        self._issued, self._next = [], 0
-
-    def _grad_ready(self, pieces) -> None:
-        """Count these pieces ready and issue, in order, every bucket that is complete."""
         for p in pieces:
             for i in self.buckets_of_piece.get(p, ()):
-                self.states[i].pending -= 1
-                if self.states[i].pending < 0:  # a bucket issued before all its gradients were final
+                run.waiting[i] -= 1
+                if run.waiting[i] < 0:  # a bucket issued before all its gradients were final
                     raise RuntimeError(f"subnet_ext: the gradient of {p.name} was reported ready twice in one "
                                        "backward; this is a bug in the engine's hooks")
         if self.overlap:
-            while self._next < len(self.states) and self.states[self._next].pending <= 0:
-                self._issue(self.states[self._next], "gradients")
-                self._next += 1
-                self.issued_during_backward += 1
+            with torch.no_grad():
+                while run.next < len(self.states) and run.waiting[run.next] <= 0:
+                    self._issue(run)
+                    self.issued_during_backward += 1
 
-    def finish(self, quantity: str = "gradients") -> None:
-        """Issue every bucket not issued yet (in order), wait, unpack times 1/owner-count."""
-        while self._next < len(self.states):
-            self._issue(self.states[self._next], quantity)
-            self._next += 1
-        for s, quantity_issued, pending in self._issued:
-            pending.wait()
-            tensors, table, scales = s.tensors(quantity_issued, self._source(quantity_issued))
-            if tensors:
-                key = (id(s), "unpack", quantity_issued)
-                ops.unpack_average_(tensors, self.prepared.get(key, tensors, table, s.buffer, scales), s.buffer)
-            if quantity_issued == "gradients" and not self.comm.simulated:
-                s.scale_in_place()
-        self._issued, self._next = [], 0
+    def _after_backward(self) -> None:
+        run, self._backward = self._backward, None
+        with torch.no_grad():
+            self._finish(run)
 
-    def average_now(self, quantity: str) -> None:
+    def average_now(self, quantity: Quantity | str) -> None:
         """Average every held piece's `quantity` ("parameters" or "gradients") right away."""
-        self._issued, self._next = [], 0
-        self.finish(quantity)
+        with torch.no_grad():
+            self._finish(_Pass(Quantity(quantity), self.states))
 
-    def _issue(self, s: _BucketState, quantity: str) -> None:
-        buffer = s.ensure_buffer(self.device)
-        if quantity == "gradients":
+    def _issue(self, run: _Pass) -> None:
+        """Pack the next bucket of `run` into its buffer and start its reduction."""
+        s = self.states[run.next]
+        run.next += 1
+        buffer = s.ensure_buffer(self.device, self.comm)
+        gradients = run.quantity is Quantity.GRADIENTS
+        reduction = self.reduction if gradients else self._parameter_reduction
+        if gradients:
             self._adopt_gradients(s)
         if s.zero_fill:
             buffer.zero_()
-        tensors, table, _ = s.tensors(quantity, self._source(quantity))
+        tensors, table, _ = self._segments(s, run.quantity, reduction.averages_over_group)
         if tensors:
-            ops.pack_segments(tensors, self.prepared.get((id(s), "pack", quantity), tensors, table, buffer), buffer)
-        self._issued.append((s, quantity, self.comm.all_reduce(buffer, s.bucket.owners, quantity)))
+            ops.pack_segments(tensors, self.prepared.get((s.index, "pack", run.quantity), tensors, table, buffer),
+                              buffer)
+        run.issued.append((s, reduction, reduction.start(s.comm_bucket)))
+
+    def _finish(self, run: _Pass) -> None:
+        """Issue what is left of `run` (in order), wait for each bucket in turn and unpack it
+        into the pieces' tensors times their scales."""
+        while run.next < len(self.states):
+            self._issue(run)
+        for s, reduction, pending in run.issued:
+            pending.wait()
+            averaged = reduction.averages_over_group
+            tensors, table, scales = self._segments(s, run.quantity, averaged)
+            if tensors:
+                prepared = self.prepared.get((s.index, "unpack", run.quantity), tensors, table, s.buffer, scales)
+                ops.unpack_average_(tensors, prepared, s.buffer)
+            if run.quantity is Quantity.GRADIENTS:
+                s.scale_in_place(averaged, self.comm.simulated)

@@ -17,9 +17,11 @@ that only some ranks make cannot meet a data collective of another size:
 - a rank that does not come (it is training, or stuck): rank 0's wait times out. A rank
   whose own collective fails meanwhile (`CollectiveError`, e.g. the gradient all-reduce
   waiting for the rank that went elsewhere) writes what it was doing to `failure/<rank>`
-  (`describe_failure`, run whenever a CollectiveError is made), so both sides name both
-  calls: "rank 0 called full_state_dict (#3); rank 1 was in all_reduce of gradients on world
-  (2 ranks), after 17 optimizer steps".
+  (`describe_failure`, run for every failed collective), so both sides name both calls:
+  "rank 0 called full_state_dict (#3); rank 1 was in all_reduce of gradients on world
+  (2 ranks), after 17 optimizer steps". Both raise CallOrderError: the rank whose data
+  collective failed because a peer went into a collective method raises it instead of the
+  plain CollectiveError, so one `except CallOrderError` catches it on every rank.
 
 Calls nest (evaluate() assembles the full state): only the outermost is checked. Without a
 c10d store (torch.distributed not initialised, one rank, a simulated rank) calls are only
@@ -51,9 +53,10 @@ class CallOrderError(collectives.CollectiveError):
     (True when some rank did not come), operation, group, timeout.
     """
 
-    def __init__(self, calls: list[str], timeout: float, timed_out: bool):
+    def __init__(self, calls: list[str], timeout: float, timed_out: bool,
+                 operation: str = "collective-method order check", group: str = "the engine's ranks"):
         self.calls, self.timed_out, self.timeout = calls, timed_out, timeout
-        self.operation, self.group = "collective-method order check", "the engine's ranks"
+        self.operation, self.group = operation, group
         how = (f"a collective method was not called by every rank within {timeout:g} s" if timed_out
                else "the ranks called different collective methods")
         RuntimeError.__init__(
@@ -205,10 +208,10 @@ class CallLedger:
                          "computing, stuck elsewhere, or gone)")
         return lines
 
-    def describe_failure(self, error: collectives.CollectiveError) -> str | None:
-        """Record, for the other ranks, that this rank's collective `error` failed; return what
-        the ranks were doing when some peer called a collective method this rank did not
-        (None otherwise: the failure has another cause)."""
+    def describe_failure(self, error: collectives.CollectiveError) -> CallOrderError | None:
+        """Record, for the other ranks, that this rank's collective `error` failed; return the
+        CallOrderError to raise instead, naming what the ranks were doing, when some peer called a
+        collective method this rank did not (None otherwise: the failure has another cause)."""
         progress = f"after {self.counter.steps} optimizer steps" if self.counter is not None else None
         mine = f"rank {self.rank} was in {error.operation} on {error.group}" + (f", {progress}" if progress else "")
         called = {p: self._get(f"call/{p}/{self.seq + 1}") for p in range(self.world_size) if p != self.rank}
@@ -222,16 +225,15 @@ class CallLedger:
             pass
         lines = [f"rank {p} called {_call_text(self.seq + 1, c)}" for p, c in sorted(ahead.items())]
         last = _call_text(self.seq, self.last) if self.seq else "none yet"
-        return ("What the ranks were doing: " + "; ".join(lines + [f"{mine} (this rank; its last collective method: "
-                                                                    f"{last})"]) +
-                ". Every rank must call SubnetDataParallel's collective methods (full_state_dict, evaluate, "
-                "verify_consistency, ...), in the same order: not only under `if master_process:`.")
+        return CallOrderError(lines + [f"{mine} (this rank; its last collective method: {last})"], self.timeout,
+                              timed_out=True, operation=error.operation, group=error.group)
 
 
-def describe_failure(error: collectives.CollectiveError) -> str | None:
-    """Failure notes of every live ledger for a CollectiveError (collectives.py calls this)."""
-    notes = [n for n in (ledger.describe_failure(error) for ledger in list(_LEDGERS)) if n]
-    return " ".join(notes) or None
+def describe_failure(error: collectives.CollectiveError) -> CallOrderError | None:
+    """The CallOrderError a live ledger gives for a failed collective, or None (collectives.py calls
+    this for every failure; each ledger also leaves its note for the other ranks)."""
+    found = [e for e in (ledger.describe_failure(error) for ledger in list(_LEDGERS)) if e is not None]
+    return found[0] if found else None
 
 
 collectives.add_failure_note(describe_failure)

@@ -43,31 +43,37 @@ class CollectiveError(RuntimeError):
             "is gone, stuck or issuing different collectives. Check the other ranks' logs; the process group cannot "
             "be used any more, so restart the job from its last checkpoint (torchrun --max-restarts with "
             "--resume auto does this), or raise the timeout if steps are legitimately this slow.")
-        notes = _failure_notes_for(self)
-        if notes:
-            self.args = (f"{self.args[0]} {notes}",)
 
 
-_FAILURE_NOTES: list = []  # callables (CollectiveError) -> str | None, see add_failure_note
+_FAILURE_NOTES: list = []  # callables (CollectiveError) -> str | CollectiveError | None, see add_failure_note
 
 
 def add_failure_note(note) -> None:
-    """Have note(error) -> str | None run whenever a CollectiveError is made, its text appended to
-    the error's message (call_check.py: what the other ranks were doing). Registered once."""
+    """Have note(error) run for every failed collective (`failure`): a text it returns is appended
+    to the error's message; a CollectiveError it returns is raised instead, when the note knows
+    the cause better (call_check.py: a peer called a collective method this rank did not, so
+    this rank raises the CallOrderError its peer raises). Registered once."""
     if note not in _FAILURE_NOTES:
         _FAILURE_NOTES.append(note)
 
 
-def _failure_notes_for(error: "CollectiveError") -> str:
+def failure(operation: str, group: str, timeout: float | None, cause: BaseException) -> CollectiveError:
+    """The error to raise for a collective that failed: a CollectiveError naming `operation` and
+    `group` with the registered notes appended, or the error a note gives instead."""
+    error = CollectiveError(operation, group, timeout, cause)
     texts = []
     for note in list(_FAILURE_NOTES):
         try:
-            text = note(error)
+            result = note(error)
         except Exception as e:  # a note must never hide the failure it annotates
-            text = f"(could not tell what the other ranks were doing: {type(e).__name__}: {e})"
-        if text:
-            texts.append(text)
-    return " ".join(texts)
+            result = f"(could not tell what the other ranks were doing: {type(e).__name__}: {e})"
+        if isinstance(result, CollectiveError):
+            return result
+        if result:
+            texts.append(result)
+    if texts:
+        error.args = (f"{error.args[0]} {' '.join(texts)}",)
+    return error
 
 
 def as_timedelta(timeout: float | None) -> datetime.timedelta | None:
@@ -144,9 +150,9 @@ def _wait(work, operation: str, group: str, timeout: float | None, host_deadline
     try:
         done = work.wait(as_timedelta(timeout)) if host_deadline else work.wait()
     except RuntimeError as e:  # DistBackendError and gloo's "Operation timed out!" are RuntimeErrors
-        raise CollectiveError(operation, group, timeout, e) from e
+        raise failure(operation, group, timeout, e) from e
     if done is False:  # some backends report a timeout by returning False
-        raise CollectiveError(operation, group, timeout, TimeoutError("wait returned False"))
+        raise failure(operation, group, timeout, TimeoutError("wait returned False"))
 
 
 def all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM, timeout: float | None = None,

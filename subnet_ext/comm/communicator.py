@@ -7,9 +7,19 @@ job alone: every collective is a local no-op that still counts its bytes, so the
 and time of that rank can be measured on one device.
 
 Owner sets and ranks are in the plan's numbering (ranks of `process_group`).
+
+The groups made here are released when the interpreter begins to exit (`release_groups`,
+an atexit handler), before it tears its objects down: a gloo group that an engine still
+holds after `destroy_process_group()` would otherwise be destroyed during that teardown,
+where its threads can abort the process ("terminate called without an active exception")
+after a run that succeeded.
 """
 from __future__ import annotations
 
+import atexit
+import enum
+import gc
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -17,6 +27,18 @@ import torch
 import torch.distributed as dist
 
 from . import collectives
+
+
+class Quantity(str, enum.Enum):
+    """What a collective carries, as the counter files it (its value is the key of
+    CommCounter.by_quantity and comm_stats()["by_quantity"])."""
+
+    GRADIENTS = "gradients"  # averaged in every synchronising backward (sync_every=1)
+    PARAMETERS = "parameters"  # averaged after optimizer steps (sync_every > 1)
+    REFRESH = "refresh"  # the backward regime's broadcasts of the leaders' values
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass
@@ -28,13 +50,14 @@ class CommCounter:
     steps: int = 0
     by_quantity: dict = field(default_factory=dict)
 
-    def add(self, quantity: str, buffer: torch.Tensor) -> None:
+    def add(self, quantity: Quantity | str, buffer: torch.Tensor) -> None:
         """Count one collective on `buffer`: its numel x element size bytes, under `quantity` in by_quantity."""
         n = buffer.numel() * buffer.element_size()
         self.bytes += n
         self.collectives += 1
-        b, c = self.by_quantity.get(quantity, (0, 0))
-        self.by_quantity[quantity] = (b + n, c + 1)
+        key = str(quantity)
+        b, c = self.by_quantity.get(key, (0, 0))
+        self.by_quantity[key] = (b + n, c + 1)
 
 
 class PendingCollective:
@@ -43,14 +66,25 @@ class PendingCollective:
     collectives.CollectiveError naming the operation and the group when it fails or
     outlasts its group's timeout."""
 
-    def __init__(self, work: dist.Work | None, operation: str, group: str, timeout: float | None):
+    def __init__(self, work: dist.Work | None, operation: str, group: str, timeout: float | None,
+                 tensor: torch.Tensor | None = None):
         self.work, self.operation, self.group, self.timeout = work, operation, group, timeout
+        self.tensor = tensor  # what the collective writes (a simulated one leaves it as it is)
 
     def wait(self) -> None:
         """Order the current stream after the collective (gloo: block until it completes);
         raise collectives.CollectiveError on failure or after the group's timeout."""
         if self.work is not None:
             collectives.wait_in_stream_order(self.work, self.operation, self.group, self.timeout)
+
+    def future(self) -> torch.futures.Future:
+        """The collective as a torch Future whose value is [tensor], as `work.get_future()`
+        gives (a simulated one: already completed); what a comm hook returns or chains."""
+        if self.work is not None:
+            return self.work.get_future()
+        done = torch.futures.Future()
+        done.set_result([self.tensor])
+        return done
 
 
 class Communicator:
@@ -68,12 +102,15 @@ class Communicator:
             refresh (so that `process_group`'s own timeout does not apply). The waits
             themselves pass no timeout: a host-side deadline would make the CPU wait for
             every bucket on NCCL.
+        module_sets: owner sets whose group a module needs (a SyncBatchNorm's), made even
+            for one rank (`group_for`).
     """
 
     simulated = False
 
     def __init__(self, owner_sets: Iterable[tuple], world_size: int, rank: int,
-                 process_group: dist.ProcessGroup | None, counter: CommCounter, timeout: float | None = None):
+                 process_group: dist.ProcessGroup | None, counter: CommCounter, timeout: float | None = None,
+                 module_sets: Iterable[tuple] = ()):
         self.world_size, self.rank, self.process_group, self.counter = world_size, rank, process_group, counter
         self.timeout = timeout
         self.groups = {}
@@ -84,9 +121,10 @@ class Communicator:
         default = process_group is None or process_group == dist.group.WORLD
         kwargs = {} if timeout is None else {"timeout": collectives.as_timedelta(timeout)}
         world = tuple(range(world_size))
-        sets = set(owner_sets) | ({world} if timeout is not None else set())
+        module_sets = set(module_sets)
+        sets = set(owner_sets) | module_sets | ({world} if timeout is not None else set())
         for s in sorted(sets):
-            if len(s) < 2:
+            if len(s) < 2 and s not in module_sets:
                 continue
             if len(s) == world_size and timeout is None:
                 self.groups[s] = world_pg
@@ -96,18 +134,32 @@ class Communicator:
             # inside a user group only its members can take part, so they sync locally.
             self.groups[s] = dist.new_group(ranks, use_local_synchronization=not default, **kwargs)
         self.world_group = self.groups.get(world, process_group)
+        _LIVE.add(self)
+
+    def group_for(self, owners: tuple) -> dist.ProcessGroup | None:
+        """The process group of plan ranks `owners` (one of the sets this communicator was made
+        with; all the plan's ranks: the engine's world group, None meaning the default group)."""
+        return self.world_group if len(owners) == self.world_size else self.groups[tuple(owners)]
+
+    def release(self) -> None:
+        """Drop this communicator's references to the process groups it made (at exit)."""
+        self.groups, self.world_group = {}, self.process_group
 
     def _global(self, rank: int) -> int:
         return rank if self.process_group is None else dist.get_global_rank(self.process_group, rank)
 
-    def all_reduce(self, buffer: torch.Tensor, owners: tuple, quantity: str) -> PendingCollective:
+    def group_of(self, owners: tuple) -> dist.ProcessGroup | None:
+        """The process group of owner set `owners` (None on a simulated rank)."""
+        return self.groups.get(owners)
+
+    def all_reduce(self, buffer: torch.Tensor, owners: tuple, quantity: Quantity | str) -> PendingCollective:
         """Asynchronous sum of `buffer` over `owners` (in place)."""
         self.counter.add(quantity, buffer)
         work = dist.all_reduce(buffer, group=self.groups[owners], async_op=True)
         return PendingCollective(work, f"all_reduce of {quantity}",
-                                 collectives.describe_group(owners, self.world_size), self.timeout)
+                                 collectives.describe_group(owners, self.world_size), self.timeout, buffer)
 
-    def broadcast(self, buffer: torch.Tensor, src: int, quantity: str) -> None:
+    def broadcast(self, buffer: torch.Tensor, src: int, quantity: Quantity | str) -> None:
         """Broadcast of `buffer` from plan rank `src` to every rank; the current stream is
         ordered after it (NCCL: the host does not wait)."""
         self.counter.add(quantity, buffer)
@@ -115,6 +167,21 @@ class Communicator:
         collectives.wait_in_stream_order(work, f"broadcast of {quantity} from rank {src}",
                                          collectives.describe_group(range(self.world_size), self.world_size),
                                          self.timeout)
+
+
+_LIVE: "weakref.WeakSet[Communicator]" = weakref.WeakSet()  # communicators that made process groups
+
+
+def release_groups() -> None:
+    """Release every live communicator's process groups, then collect: run at interpreter exit
+    (atexit runs before the teardown, while destroying a gloo group is still safe). The
+    engines cannot communicate afterwards; nothing does once the program has ended."""
+    for communicator in list(_LIVE):
+        communicator.release()
+    gc.collect()
+
+
+atexit.register(release_groups)
 
 
 class SimulatedCommunicator(Communicator):
@@ -130,10 +197,14 @@ class SimulatedCommunicator(Communicator):
         self.world_size, self.rank, self.process_group, self.counter = world_size, rank, None, counter
         self.timeout, self.groups, self.world_group = None, {}, None
 
+    def group_of(self, owners):
+        """None: a simulated rank has no process groups."""
+        return None
+
     def all_reduce(self, buffer, owners, quantity):
         """Count the bytes of `buffer`; no communication (the buffer keeps this rank's values)."""
         self.counter.add(quantity, buffer)
-        return PendingCollective(None, f"all_reduce of {quantity}", "", None)
+        return PendingCollective(None, f"all_reduce of {quantity}", "", None, buffer)
 
     def broadcast(self, buffer, src, quantity):
         """Count the bytes of `buffer`; no communication (the buffer keeps this rank's values)."""

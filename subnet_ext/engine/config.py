@@ -15,6 +15,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+import torch
+
 from ..comm.collectives import as_timedelta
 from ..planning.buckets import DEFAULT_BUCKET_CAP_MB
 from ..planning.costs import DEFAULT_LATENCY_BYTES, STRATEGIES
@@ -22,6 +24,8 @@ from ..planning.plan import SubnetPlan
 
 REGIMES = ("forward", "backward")
 SCALES = ("none", "inverse")
+EVAL_FORWARDS = ("subnetwork", "full")  # what a forward in eval mode runs (eval_mode.py)
+BUFFER_SYNCS = ("average", "broadcast")  # how owners agree on buffers (comm/buffer_sync.py)
 
 
 def _is_number(value) -> bool:
@@ -53,9 +57,23 @@ class SDPConfig:
             (gathered per use, gradients reduce-scattered, optimizer state sharded); SDP
             averages only the units. Needs sync_every=1, torch.distributed and no
             simulate_rank.
+        eval_forward: what `sdp.eval(); sdp(x)` runs on a rank that does not hold the whole
+            model: "subnetwork" (this rank's, as in training; a warning says so once per
+            process) or "full" (the assembled model, once per optimizer step: collective,
+            every rank evaluates). See eval_mode.py.
+        buffer_sync: how the owners of a floating buffer (BatchNorm's running statistics)
+            agree: "average" (their mean, with each step's gradients) or "broadcast" (its
+            leader's values after each synchronising backward, the values torch DDP's
+            broadcast_buffers gives: rank 0's at coverage 1 and for shared buffers). See
+            comm/buffer_sync.py.
+        reduce_dtype: the dtype gradients travel in (torch.bfloat16, torch.float16, or their
+            names), as FSDP2's reduce_dtype: each bucket is divided by its group's size, cast,
+            all-reduced and cast back; gradients and their accumulation stay in their own
+            dtype. None (the default): the gradients' dtype. The bf16/fp16 comm hooks
+            (comm/hooks/cast.py) at that dtype; needs sync_every=1 and shard_shared=False.
     Raises:
         ValueError (when made) naming the option that is out of range, its value and the
-        values it takes.
+        values it takes; TypeError for a numeric option that is not a number (timeout="5").
     """
 
     regime: str = "forward"
@@ -67,14 +85,27 @@ class SDPConfig:
     overlap: bool = True
     timeout: float | None = None
     shard_shared: bool = False
+    eval_forward: str = "subnetwork"
+    buffer_sync: str = "average"
+    reduce_dtype: torch.dtype | str | None = None
 
     def __post_init__(self):
+        for name in ("sync_every", "latency_bytes", "bucket_cap_mb", "timeout"):
+            value = getattr(self, name)
+            if not (_is_number(value) or isinstance(value, bool) or (name == "timeout" and value is None)):
+                kind = "an int >= 1" if name == "sync_every" else \
+                    "a number of seconds (or None)" if name == "timeout" else "a number"
+                raise TypeError(f"{name} must be {kind}, got {type(value).__name__} {value!r}")
         if self.regime not in REGIMES:
             raise ValueError(f"regime must be 'forward' or 'backward', got {self.regime!r}")
         if not isinstance(self.sync_every, int) or isinstance(self.sync_every, bool) or self.sync_every < 1:
             raise ValueError(f"sync_every must be an int >= 1, got {self.sync_every!r}")
         if self.scale not in SCALES:
             raise ValueError(f"scale must be 'none' or 'inverse', got {self.scale!r}")
+        if self.eval_forward not in EVAL_FORWARDS:
+            raise ValueError(f"eval_forward must be 'subnetwork' or 'full', got {self.eval_forward!r}")
+        if self.buffer_sync not in BUFFER_SYNCS:
+            raise ValueError(f"buffer_sync must be 'average' or 'broadcast', got {self.buffer_sync!r}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if not (_is_number(self.latency_bytes) and 0 <= self.latency_bytes < math.inf):
@@ -89,6 +120,14 @@ class SDPConfig:
             raise ValueError(f"shard_shared=True averages the shared parameters' gradients every step (FSDP2's "
                              f"reduce-scatter), so it needs sync_every=1, got sync_every={self.sync_every}; use "
                              "shard_shared=False for local SGD")
+        object.__setattr__(self, "reduce_dtype", _wire_dtype(self.reduce_dtype))
+        if self.reduce_dtype is not None and self.sync_every != 1:
+            raise ValueError(f"reduce_dtype={self.reduce_dtype} is the dtype gradients travel in, so it needs "
+                             f"sync_every=1, got sync_every={self.sync_every} (which averages the parameters "
+                             "themselves, in their own dtype); use reduce_dtype=None for local SGD")
+        if self.reduce_dtype is not None and self.shard_shared:
+            raise ValueError(f"reduce_dtype={self.reduce_dtype} applies to SDP's buckets, but with shard_shared=True "
+                             "FSDP2 reduces the shared parameters' gradients in their own dtype; use one of the two")
 
     @property
     def bucket_cap_bytes(self) -> float:
@@ -103,6 +142,17 @@ class SDPConfig:
         if self.scale == "inverse" and (plan.level != "neuron" or self.regime != "forward"):
             raise ValueError(f"scale='inverse' applies to the neuron level in the forward regime; this plan is "
                              f"level={plan.level!r} and regime={self.regime!r}")
+
+
+def _wire_dtype(value) -> torch.dtype | None:
+    """reduce_dtype as a floating torch.dtype (a name such as "bfloat16" accepted), or None."""
+    if value is None or (isinstance(value, torch.dtype) and value.is_floating_point):
+        return value
+    named = getattr(torch, value, None) if isinstance(value, str) else None
+    if isinstance(named, torch.dtype) and named.is_floating_point:
+        return named
+    raise ValueError(f"reduce_dtype must be a floating torch.dtype (torch.bfloat16, torch.float16, ...) or its name, "
+                     f"or None, got {value!r}")
 
 
 OPTIONS = tuple(f.name for f in dataclasses.fields(SDPConfig))

@@ -31,31 +31,28 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from ..comm import collectives
-from ..comm.averaging import BucketedAverager
 from ..comm.call_check import CallLedger, collective_method
-from ..comm.communicator import CommCounter, Communicator, SimulatedCommunicator
-from ..comm.refresh import CopyRefresher
-from ..planning.buckets import build_buckets
-from ..planning.costs import choose_strategy
 from ..planning.pieces import global_pieces
 from ..planning.plan import SubnetPlan, model_fingerprint
-from ..planning.sharding import communicated_pieces
 from ..state import consistency, full_optim_state
 from ..state.aliases import with_aliases, without_aliases
 from ..state.assembly import assemble, load_pieces
 from ..state.layout import RankLayout
 from . import clipping, evaluation, guard, reports
+from .communication import build_communication
 from .config import SDPConfig, config_from
 from .ddp_interface import DDPInterface
+from .eval_mode import EvalForward
 from .optimizer_guard import OptimizerGuard
 from .phase import Phase
 from .residual_scale import check_residual_scale, scale_full_state
 from .restore import meta_skeleton, restore_structure
-from .setup import check_placement, weak_call, world_and_rank
+from .setup import (broadcast_initial_state, check_placement, check_world, refuse_if_simulated, weak_call,
+                    world_and_rank)
 from .sharding import SharedShards
 from .state_dict_guard import install_state_dict_guard
 from .surgery import attach_direct_gradients, materialise_forward, prepare_backward
+from .sync_norm import assign_sync_norm_groups, sync_norm_owners
 
 
 class SubnetDataParallel(DDPInterface, nn.Module):
@@ -65,7 +62,8 @@ class SubnetDataParallel(DDPInterface, nn.Module):
         model: the full model, identical on every rank (rank 0's values are broadcast).
         plan: from plan_subnetworks(model, world_size, ...) on the same model structure.
         config: the engine's options, an SDPConfig (regime, sync_every, scale, strategy,
-            latency_bytes, bucket_cap_mb, overlap, timeout, shard_shared; config.py).
+            latency_bytes, bucket_cap_mb, overlap, timeout, shard_shared, eval_forward, buffer_sync,
+            reduce_dtype; config.py).
             The same options may be given as keywords instead (`regime="backward"`).
         process_group: the group the plan's ranks live in (default: the world).
         simulate_rank: run only rank r of the plan's K ranks, alone, without
@@ -84,9 +82,7 @@ class SubnetDataParallel(DDPInterface, nn.Module):
         check_placement(config, plan, simulate_rank is not None)
         self._simulated = simulate_rank is not None
         self.world_size, self.rank = world_and_rank(plan, process_group, simulate_rank)
-        if plan.world_size != self.world_size:
-            raise ValueError(f"the plan was made for world size {plan.world_size}, but the process group has "
-                             f"{self.world_size} ranks; make the plan with world_size={self.world_size}")
+        check_world(plan, self.world_size, self._simulated)
         fingerprint = model_fingerprint(model)
         if fingerprint != plan.fingerprint:
             raise ValueError(f"the plan was made for another model (structure fingerprint {plan.fingerprint}, "
@@ -95,11 +91,15 @@ class SubnetDataParallel(DDPInterface, nn.Module):
         self._phase = Phase.TRAINING
         first = next(iter(model.parameters()), None)
         self._device = first.device if first is not None else torch.device("cpu")
-        self._sync_initial_state(model)
+        if self.world_size > 1 and not self._simulated:
+            broadcast_initial_state(model, process_group, config.timeout)  # rank 0's values, as torch DDP
         self._optimizer_guard = OptimizerGuard(model)  # the Parameters an optimizer built before wrapping holds
         self.__dict__["_skeleton"] = meta_skeleton(model)  # not a submodule: no state of its own
 
         pieces = global_pieces(plan)
+        # Forward regime: each SyncBatchNorm synchronises among the ranks that run it (sync_norm.py).
+        sync_norms = sync_norm_owners(model, plan, pieces) if config.regime == "forward" and self.world_size > 1 \
+            and not self._simulated else {}
         if config.regime == "forward":
             self._hooks = materialise_forward(model, plan, pieces, self.rank, config.scale)
             piece_params, value_refs = {}, {}
@@ -112,26 +112,18 @@ class SubnetDataParallel(DDPInterface, nn.Module):
                                   compact=config.regime == "forward", piece_params=piece_params,
                                   value_refs=value_refs, sharded=self._shards.names if self._shards else (),
                                   trainable=[p for p in model.parameters() if p.requires_grad])
-        self._setup_communication()
+        self._setup_communication(set(sync_norms.values()))
+        self._hooks += assign_sync_norm_groups(model, sync_norms, self._comm.group_for)
         self._install_hooks(model)
+        self._eval_forward = EvalForward.for_rank(config.eval_forward, plan, self.rank, config.regime)
 
-    def _setup_communication(self) -> None:
-        """Strategy (cost model), bucket layout, process groups (or their simulation), averager,
-        refresh: each handed the typed places of this rank's pieces, nothing of the engine."""
-        config, sharded = self.config, self._shards is not None  # FSDP2 communicates the shared parameters
-        self._strategy, self._strategy_costs = choose_strategy(self.plan, config.strategy, config.latency_bytes,
-                                                               config.bucket_cap_bytes, shard_shared=sharded)
-        self._counter = CommCounter()  # its `steps` is the engine's one count of optimizer steps
-        buckets = build_buckets(self.plan, communicated_pieces(self.plan, sharded), self._strategy,
-                                config.bucket_cap_bytes)
-        owner_sets = [b.owners for b in buckets]  # the groups averaging uses; the refresh uses the world
-        self._comm = SimulatedCommunicator(self.world_size, self.rank, self._counter) if self._simulated else \
-            Communicator(owner_sets, self.world_size, self.rank, self._process_group, self._counter, config.timeout)
-        places = self._layout.averaging_places()
-        self._averager = BucketedAverager(buckets, self.rank, self._comm, self._device, places,
-                                          overlap=config.overlap, average_gradients=config.sync_every == 1)
-        self._refresh = CopyRefresher(self._layout.pieces, self.rank, self.world_size, places, self._comm) \
-            if config.regime == "backward" else None
+    def _setup_communication(self, module_sets) -> None:
+        """Strategy, buckets, process groups, averager, refresh, leader's buffers (communication.py)."""
+        c = build_communication(self.plan, self._layout, self.config, self._process_group, self._simulated,
+                                self._shards is not None, self._device, module_sets)
+        self._strategy, self._strategy_costs, self._counter = c.strategy, c.strategy_costs, c.counter
+        self._comm = c.comm
+        self._averager, self._refresh, self._leader_buffers = c.averager, c.refresh, c.leader_buffers
 
     def _install_hooks(self, model: nn.Module) -> None:
         """Gradient-ready and optimizer-step hooks, and what meets a DDP script's habits: an
@@ -143,10 +135,10 @@ class SubnetDataParallel(DDPInterface, nn.Module):
         if self.config.regime == "backward" and self.config.sync_every == 1:
             self._direct_gradient_runs = attach_direct_gradients(
                 model, self._layout.piece_params, self._averager.direct_gradient_view,
-                weak_call(me, lambda engine, piece: engine._gradients_ready((piece,))))
+                weak_call(me, lambda engine, piece: engine._gradients_ready(pieces=(piece,))))
         for p in self._layout.trainable:
             self._hooks.append(p.register_post_accumulate_grad_hook(
-                weak_call(me, lambda engine, param: engine._gradients_ready(param=param))))
+                weak_call(me, SubnetDataParallel._gradients_ready)))
         # Hooks hold the engine weakly. The optimizer-hook registry is global, and a tensor's
         # hooks are kept from C++, where Python's garbage collector cannot see the cycle
         # parameter -> hook -> engine -> module -> parameter: strong references would keep
@@ -164,23 +156,14 @@ class SubnetDataParallel(DDPInterface, nn.Module):
                                        not self._simulated, self._counter)
 
     # ------------------------------------------------------------------ the step
-    def _gradients_ready(self, pieces=(), param=None) -> None:
+    def _gradients_ready(self, param=None, pieces=()) -> None:
         """A gradient hook's report (a parameter's, or pieces the masked kernel wrote): passed
         to the averager in a backward that averages, dropped while accumulating (no_sync)."""
         if self._phase is not Phase.TRAINING:
             return
-        if param is not None:
-            self._averager.on_param_grad_ready(param)
-        else:
-            self._averager.on_grad_ready(pieces)
-
-    def _sync_initial_state(self, model: nn.Module) -> None:
-        """Every rank starts from rank 0's values (as torch DDP does)."""
-        if self.world_size == 1 or self._simulated or not dist.is_initialized():
-            return
-        src = dist.get_global_rank(self._process_group, 0) if self._process_group is not None else 0
-        collectives.broadcast_by_dtype(list(model.state_dict(keep_vars=True).values()), src, self._process_group,
-                                       self.config.timeout)
+        self._averager.on_grad_ready(pieces, param)
+        if self._leader_buffers is not None:  # buffer_sync="broadcast": after the averaging, when the backward ends
+            self._leader_buffers.on_backward()
 
     def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
         if not any(self._layout.is_trainable(p) for g in optimizer.param_groups for p in g["params"]):
@@ -208,6 +191,8 @@ class SubnetDataParallel(DDPInterface, nn.Module):
         self._check_open(what)
         if self._shards is not None:
             self._shards.reshard()
+        if what.startswith("load"):  # new values: a model assembled for eval mode is stale
+            self._eval_forward.drop()
         return self._layout, self._process_group
 
     # ------------------------------------------------------------------ public API
@@ -215,10 +200,23 @@ class SubnetDataParallel(DDPInterface, nn.Module):
         """Run this rank's subnetwork (the wrapped model, with its skipped blocks and sliced units)
         on the inputs; same arguments and output shapes as the unwrapped model."""
         self._check_open("forward")
-        out = self.module(*args, **kwargs)
+        if self._eval_forward.applies(self.module):  # eval mode on a rank without the whole model
+            out = self._eval_forward.run(self.module, args, kwargs, self._counter.steps, self._model_for_eval)
+        else:
+            out = self.module(*args, **kwargs)
         if self._shards is not None and not torch.is_grad_enabled():
             self._shards.reshard()  # no backward will reshard the gathered shared parameters
         return out
+
+    def _model_for_eval(self) -> nn.Module:
+        with self._call_ledger.collective("forward in eval mode (eval_forward='full')"):
+            return self.full_model()
+
+    def train(self, mode: bool = True):
+        """nn.Module's train(); back in train mode, the model assembled for eval-mode forwards is freed."""
+        if mode and "_eval_forward" in self.__dict__:
+            self._eval_forward.drop()
+        return super().train(mode)
 
     @collective_method(agree=("rank0_only",))
     def full_state_dict(self, rank0_only: bool = False, cpu_offload: bool = False, residual_scale=None) -> dict:
@@ -320,11 +318,13 @@ class SubnetDataParallel(DDPInterface, nn.Module):
             self._shards.reshard()  # the no-grad forward left them gathered
         return out
 
+    def __deepcopy__(self, memo):
+        raise TypeError("copy.deepcopy(SubnetDataParallel): it holds process groups and this rank's share of the model. "
+                        "For an EMA (AveragedModel, torchvision's or timm's) use subnet_ext.ExponentialMovingAverage("
+                        "sdp, decay); for a copy of the model, sdp.full_model() (collective).")
+
     def _refuse_if_simulated(self, what: str) -> None:
-        if self._simulated:
-            raise ValueError(f"{what} needs every rank's share of the model, but this engine simulates rank "
-                             f"{self.rank} of {self.world_size} alone; use evaluate(modes=('ensemble',)) for "
-                             "this rank's subnetwork")
+        refuse_if_simulated(what, self._simulated, self.rank, self.world_size)
 
     def comm_stats(self) -> dict:
         """Bytes handed to collectives and collectives issued, in total and per optimizer step,

@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from ..comm import collectives
+from ..planning.model_copy import copy_model
 from ..state.aliases import retie, without_aliases
 
 MODES = ("full", "ensemble", "subnetwork")
@@ -28,7 +29,7 @@ MODES = ("full", "ensemble", "subnetwork")
 
 def full_model(skeleton: nn.Module, plan, full_state: dict) -> nn.Module:
     """A new model built from the meta `skeleton` holding `full_state` (ties re-made)."""
-    model = copy.deepcopy(skeleton)
+    model = copy_model(skeleton)
     canonical = without_aliases(plan, full_state)
     missing, unexpected = model.load_state_dict(canonical, assign=True, strict=False)
     if sorted(missing) != sorted(plan.aliases) or unexpected:  # assign=True would untie an alias

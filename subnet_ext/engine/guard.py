@@ -69,12 +69,6 @@ def nonfinite_flag(parameters: Iterable[torch.Tensor]) -> torch.Tensor | None:
     return (~torch.stack([m.to(device, torch.float32) for m in peaks]).isfinite().all()).float()
 
 
-def local_gradients_finite(parameters: Iterable[torch.Tensor]) -> bool:
-    """True when every gradient this rank holds is finite (parameters without .grad pass)."""
-    flag = nonfinite_flag(parameters)
-    return flag is None or flag.item() == 0.0
-
-
 def agreed_nonfinite_flag(parameters: Iterable[torch.Tensor], group=None, timeout: float | None = None,
                           device: torch.device | None = None, host_deadline: bool = True) -> torch.Tensor:
     """1.0 when some rank of `group` holds an inf/NaN gradient, else 0.0: a 0-d float32

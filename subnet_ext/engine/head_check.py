@@ -7,21 +7,23 @@ updates). One that reshapes by a fixed width, as nanoGPT's `split(self.n_embd)` 
 and mixes heads. So a private copy of each head group's module runs one small seeded input
 twice: whole, with the output projection's inputs from the heads this rank does not own
 zeroed (heads are independent, so that is what the kept heads compute), then sliced as the
-engine slices it. They must agree, or the engine refuses the module by name.
+engine slices it. When they disagree the module keeps its width instead (width_keeping.py),
+checked the same way; one that computes its kept heads neither way is refused by name.
 
 An attention whose forward needs more than its input (rotary tables, masks without
 defaults), or that fails even whole on that input, cannot be run alone and is not checked.
 """
 from __future__ import annotations
 
-import copy
 import inspect
 
 import torch
 import torch.nn as nn
 
+from ..planning.model_copy import copy_model
 from ..planning.pieces import Piece
 from .slicing import consumer_member, slice_group, split_name
+from .width_keeping import keep_width, keepable
 
 _SEQUENCE = 3  # tokens of the probe input: attention mixes positions, so more than one
 
@@ -38,7 +40,7 @@ def _runs_alone(module: nn.Module) -> bool:
 
 def _private_copy(module: nn.Module) -> nn.Module:
     """A deep copy in eval mode with no hooks (a user's hook must not see the probe)."""
-    twin = copy.deepcopy(module)
+    twin = copy_model(module)
     for m in twin.modules():
         m._forward_pre_hooks.clear()
         m._forward_hooks.clear()
@@ -77,42 +79,58 @@ def _mismatch(got, want) -> str | None:
     return None
 
 
-def check_sliced_heads(model: nn.Module, plan, pieces: list[Piece], rank: int) -> None:
-    """Raise ValueError naming any head group's module that does not compute its kept heads
-    once sliced to this rank's units (module docstring). Leaves `model` unchanged."""
+def _probe(attn: nn.Module, g, pieces: list[Piece], rank: int, owned: torch.Tensor, width_kept: bool) -> str | None:
+    """Why `attn` (a head group's module), sliced to this rank's units (or width-kept), does not
+    compute the kept heads on a probe input; None when it does, or when it cannot be run alone."""
+    strip = len(g.path) + 1
+    twin = _private_copy(attn)
+    x = _probe_input(twin, g, strip)
+    if x is None:
+        return None
+    out = consumer_member(g)
+    with torch.no_grad():
+        weight = twin.get_parameter(out.name[strip:])
+        for j in torch.nonzero(~owned).flatten().tolist():
+            weight.narrow(out.dim, out.offset + j * out.width, out.width).zero_()
+        try:
+            want = _first_tensor(twin(x))
+        except Exception:  # noqa: BLE001 - needs more than its input: cannot be checked alone
+            return None
+        if want is None:
+            return None
+        if width_kept:
+            keep_width(twin, g.path, g, pieces, rank)
+        else:
+            slice_group(twin, g.path, g, pieces, rank, int(owned.sum()))
+        try:
+            return _mismatch(_first_tensor(twin(x)), want)
+        except Exception as e:  # noqa: BLE001 - reported with the module's name
+            return f"its forward raised {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+
+def check_sliced_heads(model: nn.Module, plan, pieces: list[Piece], rank: int) -> dict[str, str]:
+    """{head group path: why its module cannot run sliced} for the groups that must keep their
+    width (width_keeping.py), each checked to compute its kept heads that way; raises ValueError
+    naming a module that computes them neither way. Leaves `model` unchanged."""
+    keep = {}
     for g, (a, b) in zip(plan.groups, plan.unit_ranges):
         attn = model.get_submodule(g.path)
-        if g.kind != "head" or not _runs_alone(attn):
-            continue
         owned = plan.owners[rank, a:b]
-        if bool(owned.all()):
-            continue  # nothing is sliced away
-        strip = len(g.path) + 1
-        twin = _private_copy(attn)
-        x = _probe_input(twin, g, strip)
-        if x is None:
+        if g.kind != "head" or not _runs_alone(attn) or bool(owned.all()):
+            continue  # nothing is sliced away, or it cannot be run alone
+        why = _probe(attn, g, pieces, rank, owned, width_kept=False)
+        if why is None:
             continue
-        out = consumer_member(g)
-        with torch.no_grad():
-            weight = twin.get_parameter(out.name[strip:])
-            for j in torch.nonzero(~owned).flatten().tolist():
-                weight.narrow(out.dim, out.offset + j * out.width, out.width).zero_()
-            try:
-                want = _first_tensor(twin(x))
-            except Exception:  # noqa: BLE001 - needs more than its input: cannot be checked alone
-                continue
-            if want is None:
-                continue
-            slice_group(twin, g.path, g, pieces, rank, int(owned.sum()))
-            try:
-                why = _mismatch(_first_tensor(twin(x)), want)
-            except Exception as e:  # noqa: BLE001 - reported with the module's name below
-                why = f"its forward raised {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-        if why is not None:
-            raise ValueError(
-                f"attention {g.path!r} ({type(attn).__name__}) does not compute the {int(owned.sum())} of its "
-                f"{g.size} head unit(s) rank {rank} keeps once sliced: {why}. Its forward reshapes by a fixed "
-                "width instead of what its projections return (e.g. split(self.n_embd), or view(B, T, self.n_head, "
-                "C // self.n_head) with C the input's width). Use regime='backward' (the full forward runs), "
-                "level='block', or make the forward read the head count from the projection's output "
-                "(e.g. heads = q.shape[-1] // head_dim). The model was not changed.")
+        kept_why = _probe(attn, g, pieces, rank, owned, width_kept=True) if keepable(attn, g.path, g) else \
+            "its projections are not all nn.Linear (width keeping runs Linear projections only)"
+        if kept_why is None:
+            keep[g.path] = why
+            continue
+        raise ValueError(
+            f"attention {g.path!r} ({type(attn).__name__}) does not compute the {int(owned.sum())} of its "
+            f"{g.size} head unit(s) rank {rank} keeps once sliced: {why}; nor with its width kept (the owned heads' "
+            f"rows scattered into the full width): {kept_why}. Its forward reshapes by a fixed width or reads its "
+            "projections' weights itself. Use regime='backward' (the full forward runs), level='block', or make the "
+            "forward call its projections and read the head count from their output (e.g. heads = q.shape[-1] // "
+            "head_dim). The model was not changed.")
+    return keep

@@ -20,6 +20,9 @@ def comm_stats(counter, plan, rank: int, strategy: str, strategy_costs, regime: 
         plan, rank, strategy, regime, bucket_cap_bytes: what the prediction is made for.
         shard_shared: FSDP2 handles the shared parameters; "fsdp" gives its bytes and
             collectives per step, predicted from sizes (FSDP2 issues them, SDP does not count them).
+    "reduction" names how gradient buckets are averaged ("all_reduce", or a comm hook's name,
+    e.g. "bfloat16_compress_hook" for reduce_dtype=torch.bfloat16); "predicted_per_sync" is
+    None-valued for a hook that does not say its bytes (no `collective_bytes`).
     """
     steps = max(1, counter.steps)
     return {
@@ -27,8 +30,9 @@ def comm_stats(counter, plan, rank: int, strategy: str, strategy_costs, regime: 
         "bytes": counter.bytes, "collectives": counter.collectives,
         "bytes_per_step": counter.bytes / steps, "collectives_per_step": counter.collectives / steps,
         "by_quantity": dict(counter.by_quantity),
-        "predicted_per_sync": predicted_comm(plan, rank, strategy, regime, bucket_cap_bytes,
-                                             shard_shared=shard_shared),
+        "predicted_per_sync": predicted_comm(plan, rank, strategy, regime, bucket_cap_bytes, shard_shared=shard_shared,
+                                             wire=averager.reduction if averager.average_gradients else None),
+        "reduction": averager.reduction.name if averager.average_gradients else "all_reduce",
         "fsdp": predicted_fsdp_comm(plan) if shard_shared else None,
         "buckets": len(averager.states), "overlap": averager.overlap,
         "buckets_issued_during_backward": averager.issued_during_backward,

@@ -11,11 +11,10 @@ re-created tensors are left uninitialised: the caller loads the assembled full s
 """
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.nn as nn
 
+from ..planning.model_copy import copy_model
 from .slicing import CONV1D_ATTRS, HEAD_COUNT_ATTRS, HEAD_WIDTH_ATTRS, WIDTH_ATTRS
 
 # Integer attributes slicing.py may change: layer widths, an attention's head count and head widths.
@@ -27,7 +26,7 @@ def materialise(skeleton: nn.Module, device: torch.device) -> nn.Module:
     """A copy of a (meta) skeleton module with uninitialised tensors on `device`; its
     non-persistent buffers (real in the skeleton, e.g. rotary tables) keep their values.
     (nn.Module.to_empty would leave those uninitialised too.)"""
-    module = copy.deepcopy(skeleton)
+    module = copy_model(skeleton)
     for sub in module.modules():
         for name, p in list(sub._parameters.items()):
             if p is not None:
@@ -104,4 +103,4 @@ def meta_skeleton(model: nn.Module) -> nn.Module:
         for n, b in m._buffers.items():
             if b is not None and n not in m._non_persistent_buffers_set:
                 memo[id(b)] = torch.empty_like(b, device="meta")
-    return copy.deepcopy(model, memo)
+    return copy_model(model, memo)

@@ -13,7 +13,8 @@ level, any plan whose surgery kept every name and shape) `state_dict()` and
 `load_state_dict()` work as on the plain model. Elsewhere both raise `PartialStateError`,
 naming what differs and pointing to `full_state_dict()` / `load_full_state_dict()`.
 Hooks sit on the wrapped model itself, so `sdp.state_dict()` (which recurses into it)
-raises too; the engine removes them in close().
+raises too; the engine removes them in close(). `copy.deepcopy(sdp.module)` (an EMA's copy)
+raises PartialStateError the same way, pointing to ExponentialMovingAverage.
 """
 from __future__ import annotations
 
@@ -73,4 +74,21 @@ def install_state_dict_guard(model: nn.Module, plan, rank: int, sharded: bool) -
     load = model.register_load_state_dict_pre_hook(_Refuse(
         f"load_state_dict(): {what} Load a full state dict (a checkpoint of the original model) with "
         "sdp.load_full_state_dict(state_dict): every rank takes the pieces it holds."))
-    return [save, load]
+    copy = _InstanceAttribute(model, "__deepcopy__", _Refuse(
+        f"copy.deepcopy(): {what} A copy of it (an EMA's, torch.optim.swa_utils.AveragedModel(sdp.module)) would "
+        "average or evaluate this subnetwork as if it were the model. For an EMA use "
+        "subnet_ext.ExponentialMovingAverage(sdp, decay); for a copy of the model, sdp.full_model() (collective)."))
+    return [save, load, copy]
+
+
+class _InstanceAttribute:
+    """Sets `name` on one module instance (copy.deepcopy looks `__deepcopy__` up on the instance);
+    `remove()` takes it away again, as a hook handle does."""
+
+    def __init__(self, module: nn.Module, name: str, value):
+        self.module, self.name = module, name
+        module.__dict__[name] = value
+
+    def remove(self) -> None:
+        """Take the attribute off the module (the engine's close())."""
+        self.module.__dict__.pop(self.name, None)

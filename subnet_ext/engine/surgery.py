@@ -26,6 +26,7 @@ from ..planning.residual import skip_path
 from .head_check import check_sliced_heads
 from .owned_conv import install_owned_conv
 from .slicing import slice_group, split_name
+from .width_keeping import keep_width
 
 
 class SkippedBlock(nn.Module):
@@ -109,7 +110,9 @@ class _InverseScale:
 
 
 def materialise_forward(model: nn.Module, plan, pieces: list[Piece], rank: int, scale: str) -> list:
-    """Forward regime, in place. Returns the hook handles it installed (scale="inverse")."""
+    """Forward regime, in place. Returns the hook handles it installed (scale="inverse"). Head
+    groups whose module cannot run sliced keep their width (width_keeping.py), recorded in
+    plan.width_kept ({module path: why}) for plan.summary()."""
     if plan.level == "block":
         for g, (a, _) in zip(plan.groups, plan.unit_ranges):
             if not bool(plan.owners[rank, a]):
@@ -118,11 +121,16 @@ def materialise_forward(model: nn.Module, plan, pieces: list[Piece], rank: int, 
                 setattr(parent, leaf, SkippedBlock(parent.get_submodule(leaf), g.skip))
         stand_in_for_skipped_first_layers(model)
         return []
-    check_sliced_heads(model, plan, pieces, rank)  # before any surgery: a refusal leaves the model as it was
+    # Before any surgery: a refusal leaves the model as it was. Groups that cannot run sliced keep their width.
+    width_kept = check_sliced_heads(model, plan, pieces, rank)
+    plan.width_kept.update(width_kept)
     handles = []
     for g, (a, b) in zip(plan.groups, plan.unit_ranges):
         kept = int(plan.owners[rank, a:b].sum())
-        slice_group(model, "", g, pieces, rank, kept)
+        if g.path in width_kept:
+            keep_width(model, "", g, pieces, rank)
+        else:
+            slice_group(model, "", g, pieces, rank, kept)
         if scale == "inverse":
             for c in g.consumers:
                 handles.append(model.get_submodule(c).register_forward_pre_hook(_InverseScale(g.size / kept)))

@@ -51,6 +51,9 @@ class Bucket:
     owners: the ranks that take part (an owner set, or every rank for zero-filled buckets).
     pieces / offsets: the pieces in buffer order and the first buffer element of each
         (offset * element size is a multiple of PIECE_ALIGN_BYTES).
+    shapes: each piece's (rows, columns), its full rectangle: the piece is stored
+        row-major at its offset, so buffer[offset : offset + rows * columns] viewed
+        [rows, columns] is the piece as a matrix (what a low-rank reduction compresses).
     numel: elements of the 1-D buffer [numel], alignment gaps included.
     dtype: a torch dtype name ("float32", ...).
     """
@@ -59,6 +62,7 @@ class Bucket:
     dtype: str
     pieces: list = field(default_factory=list)
     offsets: list = field(default_factory=list)
+    shapes: list = field(default_factory=list)
     numel: int = 0
     last_position: int = 0  # visiting position of its last piece (for the closing order)
 
@@ -72,18 +76,25 @@ class Bucket:
         """Bytes of the buffer, alignment gaps included (what a collective is handed)."""
         return self.numel * self.element_size
 
-    def append(self, piece: Piece, numel: int) -> None:
-        """Add `piece` (`numel` elements) at the next offset aligned to PIECE_ALIGN_BYTES."""
+    def append(self, piece: Piece, shape: tuple[int, int]) -> None:
+        """Add `piece`, a (rows, columns) rectangle, at the next offset aligned to PIECE_ALIGN_BYTES."""
         offset = aligned_offset(self.numel, self.element_size)
         self.pieces.append(piece)
         self.offsets.append(offset)
-        self.numel = offset + numel
+        self.shapes.append(tuple(shape))
+        self.numel = offset + shape[0] * shape[1]
+
+
+def piece_shape(plan, piece: Piece) -> tuple[int, int]:
+    """(rows, columns) of `piece`'s full rectangle in `plan`."""
+    r0, r1, c0, c1 = full_rectangle(plan, piece)
+    return r1 - r0, c1 - c0
 
 
 def piece_numel(plan, piece: Piece) -> int:
     """Elements of `piece` in `plan`: the area of its full rectangle."""
-    r0, r1, c0, c1 = full_rectangle(plan, piece)
-    return (r1 - r0) * (c1 - c0)
+    rows, cols = piece_shape(plan, piece)
+    return rows * cols
 
 
 def build_buckets(plan, pieces: list[Piece], strategy: str, cap_bytes: float) -> list[Bucket]:
@@ -107,7 +118,7 @@ def build_buckets(plan, pieces: list[Piece], strategy: str, cap_bytes: float) ->
         dtype = plan.tensor_dtypes[p.name]
         owners = p.owners if strategy == "groups" else world
         b = open_buckets.setdefault((owners, dtype), Bucket(owners, dtype))
-        b.append(p, piece_numel(plan, p))
+        b.append(p, piece_shape(plan, p))
         b.last_position = visit
         if b.nbytes >= cap_bytes:
             closed.append(open_buckets.pop((owners, dtype)))

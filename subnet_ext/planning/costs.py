@@ -9,6 +9,9 @@ Bytes *handed to collectives* by one rank in one synchronisation:
 Both count whole bucket buffers, including the gaps that align each piece to 16 bytes
 (buckets.py): at most 15 bytes per piece, and what the collective is really handed, so
 the prediction equals the communicator's count.
+A reduction other than the full-precision all-reduce (a wire dtype, a comm hook such as
+the low-rank one) says what it hands over per bucket (`WireModel.collective_bytes`); the
+prediction sums those instead of the buffers.
 Ring all-reduce moves 2(|S|-1)/|S| of a buffer per rank: that is `ring_bytes`, what
 the strategy choice minimises (plus a per-collective latency expressed in bytes).
 The backward regime adds the refresh: one broadcast per leader rank (the lowest owner)
@@ -16,9 +19,11 @@ and dtype of the units it leads that some rank does not hold (pieces 16-byte ali
 """
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
-from .buckets import DEFAULT_BUCKET_CAP_MB, aligned_offset, build_buckets, piece_numel
+from .buckets import DEFAULT_BUCKET_CAP_MB, Bucket, aligned_offset, build_buckets, piece_numel
 from .pieces import global_pieces
 from .plan import SubnetPlan
 from .sharding import communicated_pieces
@@ -27,23 +32,26 @@ STRATEGIES = ("auto", "groups", "zero_filled")
 DEFAULT_LATENCY_BYTES = 256 * 1024  # one collective's fixed cost, as bytes of transfer
 
 
-def _unit_dtypes(plan: SubnetPlan) -> list[set]:
-    out = []
-    for g, (a, b) in zip(plan.groups, plan.unit_ranges):
-        names = g.params + g.buffers if g.kind == "block" else [m.name for m in g.members]
-        dt = {plan.tensor_dtypes[n] for n in names if plan.is_float(n)}
-        out += [dt] * (b - a)
-    return out
+class WireModel(Protocol):
+    """What a reduction hands to collectives for one bucket (comm/reduction.py implements it):
+    the bytes of each collective it issues, in order, or None where it cannot say (a user's
+    comm hook without a `collective_bytes`). The default, full-precision all-reduce of the
+    whole buffer, is [bucket.nbytes]."""
+
+    def collective_bytes(self, bucket: Bucket) -> list[int] | None:
+        """Bytes of each collective this reduction issues for `bucket` on one of its ranks."""
 
 
 def predicted_comm(plan: SubnetPlan, rank: int, strategy: str, regime: str = "forward",
                    bucket_cap_bytes: float = DEFAULT_BUCKET_CAP_MB * 2**20, buckets=None,
-                   shard_shared: bool = False) -> dict:
+                   shard_shared: bool = False, wire: WireModel | None = None) -> dict:
     """Per synchronisation on `rank`: bytes handed to collectives, collectives, ring bytes.
 
     One collective per bucket this rank takes part in (buckets.py: per owner set and
     dtype, cut at `bucket_cap_bytes`); `buckets` may pass a precomputed layout.
     shard_shared: the shared parameters are left to FSDP2 (sharding.predicted_fsdp_comm).
+    wire: how each bucket's gradients travel (None: the whole buffer, in its dtype); every
+    value is None when it cannot say for some bucket.
     """
     if strategy not in ("groups", "zero_filled"):
         raise ValueError(f"strategy must be 'groups' or 'zero_filled', got {strategy!r}")
@@ -52,9 +60,14 @@ def predicted_comm(plan: SubnetPlan, rank: int, strategy: str, regime: str = "fo
     handed = ring = 0.0
     count = 0
     for b in buckets:
-        if rank in b.owners:
-            handed += b.nbytes
-            ring += 2 * (len(b.owners) - 1) / len(b.owners) * b.nbytes
+        if rank not in b.owners:
+            continue
+        sizes = [b.nbytes] if wire is None else wire.collective_bytes(b)
+        if sizes is None:
+            return {"bytes": None, "collectives": None, "ring_bytes": None}
+        for n in sizes:
+            handed += n
+            ring += 2 * (len(b.owners) - 1) / len(b.owners) * n
             count += 1
     if regime == "backward" and plan.world_size > 1:
         refresh, refresh_count = refresh_bytes(plan)
@@ -83,8 +96,10 @@ def _element_size(dtype: str) -> int:
 
 
 def choose_strategy(plan: SubnetPlan, requested: str = "auto", latency_bytes: float = DEFAULT_LATENCY_BYTES,
-                    bucket_cap_bytes: float = DEFAULT_BUCKET_CAP_MB * 2**20, shard_shared: bool = False):
-    """("groups" | "zero_filled", {strategy: modelled cost of the slowest rank, in bytes})."""
+                    bucket_cap_bytes: float = DEFAULT_BUCKET_CAP_MB * 2**20, shard_shared: bool = False,
+                    wire: WireModel | None = None):
+    """("groups" | "zero_filled", {strategy: modelled cost of the slowest rank, in bytes}); `wire`
+    as predicted_comm's (a wire model that cannot say is costed as the whole buffers)."""
     if requested not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {requested!r}")
     costs = {}
@@ -93,7 +108,9 @@ def choose_strategy(plan: SubnetPlan, requested: str = "auto", latency_bytes: fl
         worst = 0.0
         buckets = build_buckets(plan, pieces, s, bucket_cap_bytes)
         for r in range(plan.world_size):
-            c = predicted_comm(plan, r, s, buckets=buckets)
+            c = predicted_comm(plan, r, s, buckets=buckets, wire=wire)
+            if c["bytes"] is None:
+                c = predicted_comm(plan, r, s, buckets=buckets)
             worst = max(worst, c["ring_bytes"] + latency_bytes * c["collectives"])
         costs[s] = worst
     if requested != "auto":

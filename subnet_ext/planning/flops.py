@@ -13,7 +13,6 @@ tensors: shapes propagate, nothing is computed or allocated. Attribution:
 """
 from __future__ import annotations
 
-import copy
 from collections import defaultdict
 from contextlib import ExitStack
 
@@ -21,6 +20,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
+
+from .model_copy import copy_model
 
 
 def sample_meta_input(sample_input) -> torch.Tensor:
@@ -50,7 +51,7 @@ def _meta_copy(model: nn.Module) -> nn.Module:
         memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
     for b in model.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta")
-    return copy.deepcopy(model, memo)
+    return copy_model(model, memo)
 
 
 def _unit_modules(model: nn.Module, groups) -> tuple[list, list]:

@@ -31,12 +31,12 @@ from .assign import assign_blocks, assign_neurons
 from .flops import trace_unit_flops
 from .plan_json import check_plan_json
 from .summary import plan_summary
+from .coverage import check_arguments, owners_per_unit, warn_if_rounded
 from .rank_graph import check_ranks_tied, components, rank_graph, spectral_gap
 from .aliases import find_aliases
 from .blocks import find_blocks
 from .units import UnitGroup, check_no_chained, find_neuron_groups, slice_numel
 
-LEVELS = ("block", "neuron")
 
 
 FLOAT_DTYPES = ("float32", "float64", "float16", "bfloat16")  # the dtype names plans record for floats
@@ -57,20 +57,6 @@ def model_fingerprint(model: nn.Module) -> str:
     for name, t in model.state_dict(keep_vars=True).items():
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
     return h.hexdigest()[:16]
-
-
-def owners_per_unit(world_size: int, coverage: float) -> int:
-    """r = max(1, round(C*K)), rounding halves up (not Python's banker's rounding)."""
-    return max(1, min(world_size, int(math.floor(coverage * world_size + 0.5))))
-
-
-def _check_args(world_size, coverage, level):
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    if not isinstance(coverage, (int, float)) or isinstance(coverage, bool) or not (0.0 < coverage <= 1.0):
-        raise ValueError(f"coverage must be in (0, 1], got {coverage!r}")
-    if level not in LEVELS:
-        raise ValueError(f"level must be 'block' or 'neuron', got {level!r}")
 
 
 class SubnetPlan:
@@ -104,6 +90,9 @@ class SubnetPlan:
         self.tensor_shapes: dict = {k: tuple(v) for k, v in tensor_shapes.items() if k not in self.aliases}
         self.tensor_dtypes: dict = {k: v for k, v in tensor_dtypes.items() if k not in self.aliases}
         self.fingerprint = fingerprint
+        # Filled at wrap time by the engine (forward regime, on this rank): head groups whose module
+        # cannot run sliced and keeps its width instead, {module path: why}; summary() lists them.
+        self.width_kept: dict = {}
         self.units, self.unit_ranges = [], []
         for g in groups:
             start = len(self.units)
@@ -289,7 +278,7 @@ class SubnetPlan:
                 owners=owners.bool(), shared=list(d["shared"]), tensor_shapes=d["tensor_shapes"],
                 tensor_dtypes=d["tensor_dtypes"], fingerprint=str(d["fingerprint"]), flops=d.get("flops"),
                 aliases=d.get("aliases", {}))
-            _check_args(plan.world_size, plan.coverage, plan.level)
+            check_arguments(plan.world_size, plan.coverage, plan.level)
             return plan
         except ValueError:
             raise
@@ -341,7 +330,8 @@ def plan_subnetworks(model: nn.Module, world_size: int, coverage: float, level: 
     Args:
         model: the full model (may live on the meta device: only structure is read).
         world_size: K, the number of ranks.
-        coverage: C in (0, 1]; each unit gets max(1, round(C*K)) owners.
+        coverage: C in (0, 1]; each unit gets r = max(1, round(C*K)) owners (halves up): the
+            effective coverage is r/K, and a warning says when it is not C.
         level: "block" (residual branches) or "neuron" (neurons, heads, channels).
         seed: relabels the ranks by a seeded permutation (0 = identity).
         blocks: module paths of residual blocks, for architectures not recognised.
@@ -354,11 +344,10 @@ def plan_subnetworks(model: nn.Module, world_size: int, coverage: float, level: 
             trains runs of neighbouring blocks); see assign.py.
 
     Raises:
+        TypeError: a world size, coverage or seed of the wrong type (coverage="0.5").
         ValueError: bad arguments, no unit at that level, or a plan that fails its checks.
     """
-    _check_args(world_size, coverage, level)
-    if not isinstance(seed, int):
-        raise ValueError(f"seed must be an int, got {seed!r}")
+    check_arguments(world_size, coverage, level, seed)
     groups = find_blocks(model, blocks) if level == "block" else find_neuron_groups(model, neuron_groups)
     if not groups:
         hint = "blocks=[...]" if level == "block" else "neuron_groups=[(producer, consumer), ...]"
@@ -376,6 +365,7 @@ def plan_subnetworks(model: nn.Module, world_size: int, coverage: float, level: 
     shapes = {n: tuple(t.shape) for n, t in sd.items()}
     dtypes = {n: str(t.dtype).replace("torch.", "") for n, t in sd.items()}
     k, r = world_size, owners_per_unit(world_size, coverage)
+    warn_if_rounded(coverage, k, r)
 
     plan = SubnetPlan.__new__(SubnetPlan)
     plan._param_names = [n for n, _ in model.named_parameters()]

@@ -34,13 +34,21 @@ def _held_warning(plan) -> list[str]:
             f"largest {names}) are held by every rank. {fix}, or shard the shared parameters (shard_shared=True)."]
 
 
+def _effective(plan, owners_per_unit: int) -> str:
+    """', effective coverage r/K' when whole owners round the coverage asked for; else ''."""
+    effective = owners_per_unit / plan.world_size
+    return "" if abs(effective - plan.coverage) <= 1e-9 else \
+        f": effective coverage {owners_per_unit}/{plan.world_size} = {effective:g}"
+
+
 def plan_summary(plan, owners_per_unit: int) -> str:
     """Units per group, per-rank parameters, held fraction, bytes and FLOPs, the checks, and
     a warning when shared parameters lift a rank far above the coverage."""
     k, full = plan.world_size, plan.full_bytes
     total = plan.total_params
     lines = [f"SubnetPlan: {len(plan.units)} {plan.level}-level units in {len(plan.groups)} group(s), "
-             f"world size {k}, coverage {plan.coverage} ({owners_per_unit} owner(s)/unit), seed {plan.seed}",
+             f"world size {k}, coverage {plan.coverage} ({owners_per_unit} owner(s)/unit"
+             f"{_effective(plan, owners_per_unit)}), seed {plan.seed}",
              f"shared: {len(plan.shared_params)} parameter tensors, {plan.shared_param_count:,} parameters "
              f"({plan.shared_param_count / max(total, 1):.1%}), {plan.shared_bytes / 2**20:.2f} MiB; full model "
              f"{total:,} parameters, {full / 2**20:.2f} MiB",
@@ -58,4 +66,14 @@ def plan_summary(plan, owners_per_unit: int) -> str:
                   f"rank graph by shared units {graph} (spectral gap {plan.spectral_gap:.3f}), "
                   f"imbalance bytes {imb['bytes']:.1%} flops {imb['flops']:.1%} ({counted_by}), "
                   f"{len(plan.owner_sets())} distinct owner set(s)"]
-    return "\n".join(lines + _held_warning(plan))
+    return "\n".join(lines + _width_kept_lines(plan) + _held_warning(plan))
+
+
+def _width_kept_lines(plan) -> list[str]:
+    """The head groups that keep their width on this rank (filled when the engine wraps)."""
+    if not getattr(plan, "width_kept", None):
+        return []
+    lines = ["width kept (forward regime, this rank): these attentions cannot run with their heads sliced, so they "
+             "keep their width: compact weights, owned heads' outputs scattered into the full width, unowned heads "
+             "computed on zeros (their attention activations and FLOPs do not shrink):"]
+    return lines + [f"- {path}: {why}" for path, why in plan.width_kept.items()]

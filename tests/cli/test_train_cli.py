@@ -108,6 +108,11 @@ BAD_ARGS = [
     (["--simulate-rank", "0", "--world-size", "4", "--nproc", "2"], "--simulate-rank runs one process"),
     (["--simulate-rank", "0", "--world-size", "4", "--save-dir", "x"], "cannot write checkpoints"),
     (["--simulate-rank", "0", "--world-size", "4", "--verify-every", "2"], "drop --verify-every"),
+    # SDP options given to another method are refused, not ignored.
+    (["--method", "ddp", "--coverage", "0.25"], "--coverage 0.25: SDP option(s), but --method ddp trains the whole"),
+    (["--method", "fsdp", "--level", "neuron", "--no-overlap"], "--level neuron, --no-overlap: SDP option(s), but "
+                                                                 "--method fsdp"),
+    (["--coverage", "half"], "argument --coverage: invalid float value: 'half'"),
 ]
 
 
@@ -137,6 +142,17 @@ def test_console_entry_point_runs_as_module(tmp_path):
     out = subprocess.run([sys.executable, "-m", "subnet_ext.cli.train", "--help"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and "--coverage" in out.stdout
+    # A user's help: what the command does first (not a developer docstring), `compare`, and defaults.
+    description = out.stdout.split("\n\n")[1]
+    assert description.startswith("Train a model with Subnetwork Data Parallelism"), description
+    assert "subnet-train compare" in out.stdout
+    flat = " ".join(out.stdout.split("options:", 1)[1].split())  # the options, after the usage line
+    for option, default in (("--steps STEPS optimizer steps", "300"), ("--lr LR AdamW learning rate", "0.003"),
+                            ("--batch-size BATCH_SIZE examples per rank per micro-batch", "32"),
+                            ("--coverage COVERAGE fraction of ranks owning each unit", "0.5"), ("--seed SEED seed of", "0")):
+        assert option in flat and flat.split(option, 1)[1].split("--", 1)[0].rstrip().endswith(
+            f"(default: {default})"), option
+    assert "(default: None)" not in flat and "(default: False)" not in flat
 
 
 def test_simulated_rank_end_to_end(tmp_path):

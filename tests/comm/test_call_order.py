@@ -7,8 +7,8 @@ doesn't match expected size"). Here:
 
 - a training script (as a user runs it: the exception propagates, the interpreter exits)
   where one rank alone calls full_state_dict() or evaluate() while the other trains: both
-  processes exit with Python's error status (not SIGABRT), within 60 s, each message naming
-  both ranks' calls;
+  processes exit with Python's error status (not SIGABRT), within 60 s, each raising
+  CallOrderError (the rank in the gradient all-reduce too) whose message names both ranks' calls;
 - two ranks calling different collective methods (or a checkpoint save, or the same method
   with different rank0_only options): both raise at once, naming both calls, and the engine stays usable;
 - the check adds nothing to a training step: no store request, the same collectives.
@@ -26,7 +26,6 @@ import torch.nn.functional as F
 import subnet_ext as sx
 from sdp_helpers import batch, make_model
 from subnet_ext.cli.launch import free_port
-from subnet_ext.comm.call_check import CallOrderError
 from subnet_ext.testing import run_distributed
 
 TIMEOUT_S = 5.0
@@ -93,6 +92,9 @@ def test_a_collective_method_on_one_rank_fails_on_every_rank(call, caller):
         assert f"rank {caller} called {call} (#1)" in err, (rank, tail)
         assert f"rank {other} was in all_reduce of gradients" in err, (rank, tail)
         assert "EnforceNotMet" not in err and "terminate called" not in err, (rank, tail)
+        # The same class on every rank: the rank whose gradient all-reduce failed raises
+        # CallOrderError too, so one `except sx.CallOrderError` catches it everywhere.
+        assert "subnet_ext.comm.call_check.CallOrderError: SubnetDataParallel:" in err, (rank, tail)
         seconds = float(err.rsplit("seconds after the call: ", 1)[1].split()[0])
         assert seconds < 60, (rank, seconds)
 
@@ -117,7 +119,7 @@ def _different_calls(rank, world, folder):
             else:
                 getattr(sdp, mine)()
             out[label] = None
-        except CallOrderError as e:
+        except sx.CallOrderError as e:
             out[label] = (str(e), time.monotonic() - started)
     # No data collective was issued: the engine goes on, and the ranks agree.
     out["after"] = {n: t.numpy().tobytes() for n, t in sdp.full_state_dict().items()}

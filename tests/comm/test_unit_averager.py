@@ -133,7 +133,7 @@ def test_gradients_are_averaged_among_owners(level, regime, strategy):
         for param, name, view in local_views(plan, r, sdp.module):
             if param.requires_grad:
                 param.grad = None if (r == 0 and name == missing) else view(grads[r][name]).clone()
-    on_threads([lambda a=a: a.finish("gradients") for _, a in ranks])
+    on_threads([lambda a=a: a.average_now("gradients") for _, a in ranks])
     expected = owners_mean(plan, grads)
     for r, (sdp, averager) in enumerate(ranks):
         homes = averager._homes
@@ -175,7 +175,7 @@ def test_simulated_rank_keeps_its_own_gradients():
     grads = full_draws(plan, 300)[1]
     for param, name, view in local_views(plan, 1, sdp.module):
         param.grad = view(grads[name]).clone()
-    averager.finish("gradients")
+    averager.average_now("gradients")
     for param, name, view in local_views(plan, 1, sdp.module):
         assert torch.equal(param.grad, view(grads[name])), name  # "as if every owner held this rank's values"
     assert averager.comm.counter.collectives > 0

@@ -11,6 +11,10 @@ clipping and `zero_grad(set_to_none=True)`:
 - on a GPU (the device='cuda' variant), run under torch.cuda.set_sync_debug_mode("error"):
   any synchronisation, from Python or from the C++ kernels, is an error.
 
+The gradient reductions too: bf16 on the wire (reduce_dtype) and the low-rank comm hook
+(after its warm-up, which draws its first Qs), whose matrix products and orthogonalisation
+stay on the device.
+
 The engine simulates rank 1 of 4 (simulate_rank): the collectives are counted, not sent,
 so the whole data path but the wire runs in one process.
 """
@@ -21,11 +25,13 @@ import torch.nn.functional as F
 import subnet_ext as sx
 from host_reads import counting_host_reads
 from sdp_helpers import CLASSES, IN, make_model
+from subnet_ext.comm.hooks import LowRankState, low_rank_hook
 from subnet_ext.testing import DEVICES
 
-CONFIGS = [("forward", "neuron", "groups", "fp32"), ("backward", "neuron", "groups", "fp32"),
-           ("forward", "block", "groups", "fp32"), ("backward", "block", "zero_filled", "fp32"),
-           ("backward", "neuron", "zero_filled", "fp32"), ("backward", "neuron", "groups", "bf16")]
+CONFIGS = [("forward", "neuron", "groups", "fp32", None), ("backward", "neuron", "groups", "fp32", None),
+           ("forward", "block", "groups", "fp32", None), ("backward", "block", "zero_filled", "fp32", None),
+           ("backward", "neuron", "zero_filled", "fp32", None), ("backward", "neuron", "groups", "bf16", None),
+           ("forward", "neuron", "groups", "fp32", "bf16_wire"), ("backward", "neuron", "groups", "fp32", "low_rank")]
 
 
 def batches(device, n):
@@ -55,12 +61,14 @@ def step(sdp, opt, data, precision, kept):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("regime,level,strategy,precision", CONFIGS)
-def test_steps_after_warm_up_read_nothing_and_prepare_nothing(device, regime, level, strategy, precision):
+@pytest.mark.parametrize("regime,level,strategy,precision,reduction", CONFIGS)
+def test_steps_after_warm_up_read_nothing_and_prepare_nothing(device, regime, level, strategy, precision, reduction):
     model = make_model().to(device)
     plan = sx.plan_subnetworks(model, 4, 0.5, level)
     sdp = sx.SubnetDataParallel(model, plan, regime=regime, simulate_rank=1, strategy=strategy,
-                                bucket_cap_mb=0.002)
+                                bucket_cap_mb=0.002, reduce_dtype="bfloat16" if reduction == "bf16_wire" else None)
+    if reduction == "low_rank":
+        sdp.register_comm_hook(LowRankState(matrix_rank=2), low_rank_hook)
     opt = torch.optim.SGD(sdp.parameters(), lr=0.05, momentum=0.9)
     data = batches(device, 10)
     kept = []

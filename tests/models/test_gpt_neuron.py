@@ -3,8 +3,8 @@ c_fc/c_proj, heads through a fused nn.Linear c_attn. The forward regime's sliced
 equals the full model with the unowned heads and neurons zeroed at their consumer's input
 (subnet_reference.py); it trains, its full state loads strictly into a fresh GPT, and
 close() gives back the head-count attributes. An attention that reshapes by a fixed
-width (nanoGPT's verbatim pattern) or by a head count slicing does not update is refused
-at wrap time, by name, and the model is left as it was."""
+width (nanoGPT's verbatim pattern) or by a head count slicing does not update keeps its
+width instead (found at wrap time)."""
 import copy
 import warnings
 
@@ -99,26 +99,27 @@ class StoredHeadsAttention(CausalSelfAttention):
 
 @pytest.mark.parametrize("attention,why", [(FixedWidthAttention, "raised RuntimeError"),
                                            (StoredHeadsAttention, "mixes or drops heads")])
-def test_attention_that_cannot_run_compact_is_refused_at_wrap_time(attention, why):
+def test_attention_that_cannot_run_compact_keeps_its_width(attention, why):
+    """Found at wrap time (sliced, it raises or mixes heads) and run with its width kept
+    (tests/models/test_width_kept_attention.py has the details): the same output as the full
+    model with the unowned heads zeroed; the backward regime runs the full forward."""
     model = gpt()
     for block in model.transformer.h:
         block.attn = attention(CFG)
     plan = plan_quietly(model, 2, 0.5, "neuron")
-    before = {n: t.clone() for n, t in model.state_dict().items()}
-    with pytest.raises(ValueError, match=rf"attention 'transformer\.h\.0\.attn' \({attention.__name__}\).*{why}"
-                                         r".*regime='backward'.*level='block'"):
-        sx.SubnetDataParallel(model, plan, regime="forward", simulate_rank=0)
-    after = model.state_dict()
-    assert list(after) == list(before) and all(torch.equal(after[n], before[n]) for n in before)
-    assert model.transformer.h[0].attn.n_head == CFG.n_head
-    # the remedies the error names work: level="block" (whole blocks skipped, the attention
-    # never sliced) and the backward regime (the full forward runs)
+    widths = {g.path: (g.path + ".c_proj", HEAD_DIM if g.kind == "head" else 1) for g in plan.groups}
     idx = tokens(0)[:, :-1]
-    want = model(idx)[0]
-    blocks = sx.SubnetDataParallel(copy.deepcopy(model), plan_quietly(model, 2, 0.5, "block"), simulate_rank=0)
-    assert blocks(idx)[0].shape == want.shape
-    sdp = sx.SubnetDataParallel(model, plan, regime="backward", simulate_rank=0)
-    torch.testing.assert_close(sdp(idx)[0], want)
+    with torch.no_grad():
+        want = model(idx)[0]
+    sdp = sx.SubnetDataParallel(copy.deepcopy(model), plan, regime="forward", simulate_rank=0)
+    assert why in plan.width_kept["transformer.h.0.attn"], plan.width_kept
+    assert sdp.module.transformer.h[0].attn.n_head == CFG.n_head  # the width is kept
+    with torch.no_grad():
+        torch.testing.assert_close(sdp(idx)[0], reference_subnetwork(model, plan, 0, consumer_widths=widths)(idx)[0],
+                                   rtol=1e-5, atol=1e-5)
+    backward = sx.SubnetDataParallel(model, plan, regime="backward", simulate_rank=0)
+    with torch.no_grad():
+        torch.testing.assert_close(backward(idx)[0], want)
 
 
 def _ints(model):

@@ -1,5 +1,6 @@
 """The planner: units recognised without help, declared units, assignment, checks, JSON."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -78,10 +79,31 @@ def test_declared_units_and_refusals():
         sx.plan_subnetworks(mlp(), 2, 0.5, "block", blocks=["blocks.9"])
 
 
-@pytest.mark.parametrize("coverage", [0.0, -0.5, 1.5, float("nan"), "half"])
+@pytest.mark.parametrize("coverage", [0.0, -0.5, 1.5, float("nan")])
 def test_coverage_outside_range(coverage):
     with pytest.raises(ValueError, match="coverage must be in"):
         sx.plan_subnetworks(mlp(), 4, coverage)
+
+
+@pytest.mark.parametrize("coverage", ["0.5", "half", None, True])
+def test_coverage_of_the_wrong_type_is_a_type_error(coverage):
+    with pytest.raises(TypeError, match=f"coverage must be a number in \\(0, 1\\].*got {type(coverage).__name__}"):
+        sx.plan_subnetworks(mlp(), 4, coverage)
+    with pytest.raises(TypeError, match="world_size must be an int.*got str '4'"):
+        sx.plan_subnetworks(mlp(), "4", 0.5)
+
+
+@pytest.mark.parametrize("coverage,owners,why", [(0.1, 1, "below 1/(2K) = 0.125, raised to one owner per unit"),
+                                                 (0.3, 1, "round(0.3 x 4) = 1 owner(s) per unit"),
+                                                 (0.6, 2, "round(0.6 x 4) = 2 owner(s) per unit")])
+def test_coverage_rounded_to_whole_owners_is_said(coverage, owners, why):
+    with pytest.warns(UserWarning, match=r"coverage .* at world size 4 is " + why.replace("(", r"\(").replace(")", r"\)")):
+        plan = sx.plan_subnetworks(mlp(), 4, coverage)
+    assert int(plan.owner_count.min()) == int(plan.owner_count.max()) == owners
+    assert f"({owners} owner(s)/unit: effective coverage {owners}/4 = {owners / 4:g})" in plan.summary()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a coverage that is a multiple of 1/K says nothing
+        assert "effective" not in sx.plan_subnetworks(mlp(), 4, 0.5).summary()
 
 
 def test_bad_arguments():

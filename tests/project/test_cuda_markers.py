@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from gpu_marks import SUMMARY_LINES
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -105,8 +106,8 @@ def test_gpu_tests_collect_where_a_gpu_is_visible(here):
     assert not always, f"cuda-marked tests that skip even on a GPU: {always}"
     unknown = [nodeid for nodeid, _, cuda, skips in forced if cuda and None in skips]
     assert not unknown, f"skipif conditions that are not booleans (cannot be checked here): {unknown}"
-    print(f"[gpu collection] one GPU: {len(cuda_there)} cuda tests collected, {len(cuda_there) - len(skipped)} "
-          f"would run, {len(skipped)} need two GPUs")
+    SUMMARY_LINES.append(f"[gpu collection] with CUDA forced visible (one GPU): {len(cuda_there)} cuda-marked tests "
+                         f"collected, {len(cuda_there) - len(skipped)} would run, {len(skipped)} need two GPUs")
 
 
 def test_bench_scripts_import_where_a_gpu_is_visible():

@@ -1,0 +1,69 @@
+"""Width-keeping units: a sliced head group whose module keeps its width.
+
+The forward regime slices a head group's projections to the heads a rank owns and updates
+the attention's head-count attributes (slicing.py). An attention whose forward reshapes by a
+fixed width (nanoGPT's `split(self.n_embd)` and `view(B, T, self.n_head, C // self.n_head)`,
+C the input's width) cannot run sliced (head_check.py finds it at wrap time). Such a group
+keeps its module's width instead:
+
+- the weights stay compact (the owned rows of each producer, the owned columns of the
+  consumer), so parameters, gradients and optimizer state shrink as in any sliced group;
+- each producer (the fused qkv projection) computes its owned rows with the masked linear
+  op and scatters them into the full width, zeros at the unowned heads' positions, so the
+  module's own reshapes see the width they were written for;
+- the attention runs over every head; an unowned head has zero queries, keys and values,
+  so its output is exactly zero;
+- the consumer (the output projection) reads only its owned input columns (the masked
+  linear op's gather) with its compact weight.
+
+Its output equals the subnetwork's (the owned heads alone). What does not shrink: the
+attention's own activations and FLOPs (every head is computed, the unowned ones on zeros);
+plan.summary() names the modules that run this way and why. Linear projections only.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn as nn
+
+from .. import ops
+from ..planning.pieces import Piece, owned_indices
+from .slicing import replace_tensor, split_name
+
+
+def keepable(root: nn.Module, prefix: str, group) -> bool:
+    """True when every member of `group` belongs to an nn.Linear (what the masked op replaces)."""
+    strip = len(prefix) + 1 if prefix else 0
+    return all(isinstance(root.get_submodule(split_name(m.name[strip:])[0]), nn.Linear) for m in group.members)
+
+
+def _width_kept_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    out_idx, in_idx, width = module._sdp_width_kept
+    return ops.masked_linear(x, module.weight, module.bias, out_idx, in_idx, compact_weight=True,
+                             scatter_width=width, check_indices=False)
+
+
+def keep_width(root: nn.Module, prefix: str, group, pieces: list[Piece], rank: int) -> None:
+    """Slice `group`'s member tensors in `root` to this rank's units (compact, in global order) and
+    make its modules keep their width, in place (module docstring). root/prefix as slice_group's."""
+    strip = len(prefix) + 1 if prefix else 0
+    by_module = {}
+    for name in dict.fromkeys(m.name for m in group.members):
+        by_module.setdefault(split_name(name[strip:])[0], []).append(name)
+    for path, names in by_module.items():
+        module = root.get_submodule(path)
+        consumer = (prefix + "." + path if prefix else path) in group.consumers
+        width = module.weight.shape[0]  # the full output width (before slicing)
+        for name in names:
+            dim, idx = owned_indices(pieces, rank, name)
+            local = name[strip:]
+            full = root.get_parameter(local)
+            with torch.no_grad():
+                compact = full.detach().index_select(dim, idx.to(full.device)).contiguous()
+            replace_tensor(root, local, compact)
+        _, idx = owned_indices(pieces, rank, names[0])  # a producer's bias shares its weight's rows
+        idx = idx.to(module.weight.device)
+        # Producer: owned output rows scattered into the full width. Consumer: owned input columns.
+        module._sdp_width_kept = (None, idx, None) if consumer else (idx, None, width)
+        module.forward = types.MethodType(_width_kept_forward, module)

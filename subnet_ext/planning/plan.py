@@ -334,8 +334,7 @@ def plan_subnetworks(model: nn.Module, world_size: int, coverage: float, level: 
             effective coverage is r/K, and a warning says when it is not C.
         level: "block" (residual branches) or "neuron" (neurons, heads, channels).
         seed: relabels the ranks by a seeded permutation (0 = identity).
-        blocks: module paths of residual blocks, for architectures not recognised.
-        neuron_groups: (producer, consumer[, norms]) module paths, likewise.
+        blocks, neuron_groups: residual blocks' module paths, (producer, consumer[, norms]) paths: declarations.
         sample_input: one input batch, a tensor or (shape, dtype), e.g. ((1, 3, 32, 32), torch.float32)
             or ((1, seq_len), torch.long): FLOPs are traced from one forward of it on the meta device
             (nothing allocated). Without it FLOPs are 2 x parameters, which ignores a convolution's

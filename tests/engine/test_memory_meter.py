@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_iter
 
 from subnet_ext.engine.memory_meter import StepMemoryMeter, measure_step
 from subnet_ext.testing import run_distributed
+from gpu_marks import needs_cuda
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MIB = 2 ** 20
@@ -113,6 +114,38 @@ def test_peak_agrees_with_torch_memtracker(checkpoint):
     assert ours["model_state"] + ours["activations"] + ours["transient"] == ours["total"]
     params = sum(p.numel() * 4 for p in model.parameters())
     assert ours["model_state"] >= 3 * params  # parameters and AdamW's two moments at least, whatever the peak's moment
+
+
+@needs_cuda
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["plain", "checkpointed"])
+def test_cuda_total_is_the_allocators_peak_and_agrees_with_memtracker(checkpoint):
+    """On CUDA the meter's total is the allocator's peak over the step, measured here from the
+    allocator's own counters around the same step, and it agrees with torch's MemTracker (the
+    allocator also holds blocks a tensor count does not see: 10%)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    model, optimizer, batch = _gpt(checkpoint=checkpoint)
+    model.cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    batch = tuple(t.cuda() for t in batch)
+    _steady(model, optimizer, batch)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    meter = StepMemoryMeter([model], [optimizer])
+    with meter:
+        _step(model, optimizer, batch)
+    torch.cuda.synchronize()
+    ours = meter.result()
+    assert ours["total"] == torch.cuda.max_memory_allocated()
+    assert ours["model_state"] + ours["activations"] + ours["transient"] == ours["total"]
+    optimizer.zero_grad(set_to_none=True)
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer, *batch)
+    with tracker:
+        _step(model, optimizer, batch)
+    theirs = sum(snap["Total"] for dev, snap in tracker.get_tracker_snapshot("peak").items()
+                 if torch.device(dev).type == "cuda")
+    assert ours["total"] == pytest.approx(theirs, rel=0.10), (ours, theirs)
 
 
 def test_checkpointing_trades_activations_for_recomputation():

@@ -37,7 +37,7 @@ _DIGITS = dict(model="mlp", preset=None, data="digits", seq_len=1, batch_size=32
 _TEXT = dict(model="gpt", preset="deep", data="pysrc", lr=2e-3, weight_decay=0.0, runs="main")
 PROFILES = {
     "full": dict(seeds=5, cooldown=0.2, wall_time=False, measure_steps=4, timeout=900.0, tasks={
-        "pysrc": dict(_TEXT, seq_len=64, batch_size=4, steps=250, eval_every=50, eval_sequences=64, warmup_steps=25),
+        "pysrc": dict(_TEXT, seq_len=64, batch_size=4, steps=120, eval_every=40, eval_sequences=64, warmup_steps=12),
         "digits": dict(_DIGITS, steps=120, eval_every=40, warmup_steps=10)}),
     "quick": dict(seeds=3, cooldown=0.2, wall_time=False, measure_steps=4, timeout=600.0, tasks={
         "pysrc": dict(_TEXT, seq_len=64, batch_size=4, steps=40, eval_every=20, eval_sequences=24, warmup_steps=4),

@@ -35,19 +35,19 @@ def train(sdp, opt, rank, steps, start=0):
 def counting_direct_writes():
     """Counts DirectGradient.write calls (the backward regime's masked-kernel writes into a
     bucket) inside the block; yields a one-element list holding the count."""
-    from subnet_ext.engine import surgery
+    from subnet_ext.engine import owned_linear
 
-    count, original = [0], surgery.DirectGradient.write
+    count, original = [0], owned_linear.DirectGradient.write
 
     def counting_write(self, *args):
         count[0] += 1
         return original(self, *args)
 
-    surgery.DirectGradient.write = counting_write
+    owned_linear.DirectGradient.write = counting_write
     try:
         yield count
     finally:
-        surgery.DirectGradient.write = original
+        owned_linear.DirectGradient.write = original
 
 
 def value_error(call) -> str | None:

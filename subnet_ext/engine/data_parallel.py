@@ -51,7 +51,9 @@ from .setup import (broadcast_initial_state, check_placement, check_world, refus
                     world_and_rank)
 from .sharding import SharedShards
 from .state_dict_guard import install_state_dict_guard
-from .surgery import attach_direct_gradients, materialise_forward, prepare_backward
+from .module_swaps import ModuleSwaps
+from .owned_linear import attach_direct_gradients
+from .surgery import materialise_forward, prepare_backward
 from .sync_norm import assign_sync_norm_groups, sync_norm_owners
 
 
@@ -100,11 +102,12 @@ class SubnetDataParallel(DDPInterface, nn.Module):
         # Forward regime: each SyncBatchNorm synchronises among the ranks that run it (sync_norm.py).
         sync_norms = sync_norm_owners(model, plan, pieces) if config.regime == "forward" and self.world_size > 1 \
             and not self._simulated else {}
+        self._swaps = ModuleSwaps()  # the engine's layers standing in for the user's, undone by close()
         if config.regime == "forward":
-            self._hooks = materialise_forward(model, plan, pieces, self.rank, config.scale)
+            self._hooks = materialise_forward(model, plan, pieces, self.rank, config.scale, self._swaps)
             piece_params, value_refs = {}, {}
         else:
-            piece_params, value_refs, self._hooks = prepare_backward(model, plan, pieces, self.rank)
+            piece_params, value_refs, self._hooks = prepare_backward(model, plan, pieces, self.rank, self._swaps)
         self.module = model
         self._shards = SharedShards(model, plan, process_group, self._device) if config.shard_shared else None
         # Built once, after every change to the model (surgery, FSDP2's DTensor parameters).
@@ -361,7 +364,8 @@ class SubnetDataParallel(DDPInterface, nn.Module):
     def close(self) -> None:
         """Give the wrapped model back as it was before wrapping, holding the trained values.
 
-        Collective (assembles the full state first). Every module gets back its type
+        Collective (assembles the full state first). The user's layers the engine swapped out
+        are put back (the same objects); every module gets back its type
         (skipped blocks), full-shaped Parameters (not compact ones or owned views), width
         attributes, hooks and attributes as before; the engine's hooks are removed; then
         the assembled full state is loaded into the model. The engine refuses further use.
@@ -375,6 +379,7 @@ class SubnetDataParallel(DDPInterface, nn.Module):
             h.remove()
         self._hooks = []
         self._call_ledger.close()
+        self._swaps.undo()  # the user's own module objects, holding their own Parameters
         restore_structure(self.module, self._skeleton, self._device)
         self.module.load_state_dict(full)
         self._phase = Phase.CLOSED

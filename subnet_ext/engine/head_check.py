@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from ..planning.model_copy import copy_model
 from ..planning.pieces import Piece
+from .module_swaps import ModuleSwaps
 from .slicing import consumer_member, slice_group, split_name
 from .width_keeping import keep_width, keepable
 
@@ -99,7 +100,7 @@ def _probe(attn: nn.Module, g, pieces: list[Piece], rank: int, owned: torch.Tens
         if want is None:
             return None
         if width_kept:
-            keep_width(twin, g.path, g, pieces, rank)
+            keep_width(twin, g.path, g, pieces, rank, ModuleSwaps())  # a twin: nothing to undo
         else:
             slice_group(twin, g.path, g, pieces, rank, int(owned.sum()))
         try:

@@ -2,8 +2,9 @@
 
 surgery.py changes the user's modules in place: skipped blocks (SkippedBlock),
 compact Parameters, width and head-count attributes (forward regime), owned-slice Parameters,
-`*_full` buffers, instance attributes shadowing a parameter's name, an instance
-`forward` and `_sdp_*` attributes (backward regime). `restore_structure` puts back,
+`*_full` buffers and instance attributes shadowing a parameter's name (the backward regime's
+generic path). The layers it swapped for its own (module_swaps.py) are put back by
+`ModuleSwaps.undo()` before this runs. `restore_structure` puts back,
 module by module, what the engine's meta skeleton (a copy of the model taken before
 the surgery) says was there: the same submodule types, parameter and buffer names,
 shapes, dtypes, requires_grad and order, and the same width and head-count attributes. The values of
@@ -40,8 +41,6 @@ def materialise(skeleton: nn.Module, device: torch.device) -> nn.Module:
 
 def _restore_module(module: nn.Module, original: nn.Module, device: torch.device) -> None:
     """Make `module`'s own tensors and attributes match `original` (its skeleton twin)."""
-    for key in [k for k in module.__dict__ if k.startswith("_sdp_") or k == "forward"]:
-        del module.__dict__[key]
     params = {}
     for name, ref in original._parameters.items():
         module.__dict__.pop(name, None)  # an instance attribute shadowing the parameter's name

@@ -6,25 +6,26 @@ the memory of what is not owned is released.
 
 Backward regime (`prepare_backward`): the full tensors stay (the forward is the full
 model) but stop being parameters; each owned piece becomes a Parameter that is a *view*
-of its full tensor, so the optimizer updates the full tensor in place and keeps state
-only for owned pieces. Linear layers compute the owned weight gradient with the masked
-backward kernel; other layers (convs, norms) route the gradient through a
-concatenation of detached and owned slices.
+of its full tensor (owned_slices.py), so the optimizer updates the full tensor in place
+and keeps state only for owned pieces. Sliced Linear and Conv2d layers are swapped for
+the engine's OwnedLinear / OwnedConv2d (module_swaps.py; `close()` puts the user's back),
+which compute only the owned weight gradient; other layers (norms, convs with groups)
+route the gradient through a concatenation of detached and owned slices.
 """
 from __future__ import annotations
 
 import types
-import weakref
 
 import torch
 import torch.nn as nn
 
-from .. import ops
-from ..ops.autocast import autocast_dtype, cast_to
 from ..planning.pieces import Piece
 from ..planning.residual import skip_path
 from .head_check import check_sliced_heads
-from .owned_conv import install_owned_conv
+from .module_swaps import ModuleSwaps
+from .owned_conv import OwnedConv2d, conv_can_be_owned
+from .owned_linear import OwnedLinear
+from .owned_slices import OwnedLayer, own_slices
 from .slicing import slice_group, split_name
 from .width_keeping import keep_width
 
@@ -109,10 +110,12 @@ class _InverseScale:
         return (args[0] * self.factor,) + tuple(args[1:])
 
 
-def materialise_forward(model: nn.Module, plan, pieces: list[Piece], rank: int, scale: str) -> list:
+def materialise_forward(model: nn.Module, plan, pieces: list[Piece], rank: int, scale: str,
+                        swaps: ModuleSwaps) -> list:
     """Forward regime, in place. Returns the hook handles it installed (scale="inverse"). Head
-    groups whose module cannot run sliced keep their width (width_keeping.py), recorded in
-    plan.width_kept ({module path: why}) for plan.summary()."""
+    groups whose module cannot run sliced keep their width (width_keeping.py: their projections
+    are swapped, recorded in `swaps`), recorded in plan.width_kept ({module path: why}) for
+    plan.summary()."""
     if plan.level == "block":
         for g, (a, _) in zip(plan.groups, plan.unit_ranges):
             if not bool(plan.owners[rank, a]):
@@ -128,146 +131,13 @@ def materialise_forward(model: nn.Module, plan, pieces: list[Piece], rank: int, 
     for g, (a, b) in zip(plan.groups, plan.unit_ranges):
         kept = int(plan.owners[rank, a:b].sum())
         if g.path in width_kept:
-            keep_width(model, "", g, pieces, rank)
+            keep_width(model, "", g, pieces, rank, swaps)
         else:
             slice_group(model, "", g, pieces, rank, kept)
         if scale == "inverse":
             for c in g.consumers:
                 handles.append(model.get_submodule(c).register_forward_pre_hook(_InverseScale(g.size / kept)))
     return handles
-
-
-class DirectGradient:
-    """Where the masked kernel writes one owned run's weight gradient: a view of the
-    run's place in its communication bucket, which becomes the run's `.grad` (so it is
-    never packed); `ready(piece)` tells the engine the gradient is final."""
-
-    def __init__(self, param: nn.Parameter, view: torch.Tensor, piece: Piece, ready):
-        self.param, self.view, self.piece, self.ready = param, view.view(param.shape), piece, ready
-
-    def write(self, g2: torch.Tensor, x2: torch.Tensor, out_runs, in_runs, last_use: bool = True) -> None:
-        """Add one use's weight gradient into the bucket view, by the masked linear's gradient
-        formula on runs (`ops.masked_linear_grad_runs_`: strided views into the GEMM, no
-        gather, no host sync); readiness is reported only after the last use of this
-        forward (weight sharing).
-
-        g2 [N, out] and x2 [N, in] are the layer's output gradient and input; out_runs /
-        in_runs the run's [(start, length)] (the other empty: every column). Under autocast
-        g2 and x2 are fp16/bf16 and the bucket fp32: the formula multiplies them with fp32
-        output and accumulation, with no fp32 copy of g2 or x2."""
-        grad = self.param.grad
-        if grad is not None and grad.data_ptr() != self.view.data_ptr():
-            self.view.copy_(grad)  # a gradient put there by someone else: keep accumulating onto it
-        mixed = x2.dtype in (torch.float16, torch.bfloat16) and self.view.dtype == torch.float32
-        if x2.dtype != self.view.dtype and not mixed:  # any other pairing: the bucket's dtype
-            g2, x2 = g2.to(self.view.dtype), x2.to(self.view.dtype)
-        ops.masked_linear_grad_runs_(self.view, None, g2, x2, out_runs, in_runs, accumulate=grad is not None)
-        self.param.grad = self.view
-        if last_use:
-            self.ready(self.piece)
-
-
-class _UseCount:
-    """How many times one forward called a masked Linear (`uses`) and how many of those
-    calls' backwards have run (`done`). Shared by the calls' autograd contexts and held
-    by the module only weakly, so a graph dropped without a backward takes its count
-    with it and the next forward starts a fresh one."""
-
-    __slots__ = ("uses", "done", "__weakref__")
-
-    def __init__(self):
-        self.uses, self.done = 0, 0
-
-    def backward_ran(self) -> bool:
-        """Count one use's backward; True when it was the last (the gradient is final)."""
-        self.done += 1
-        if self.done < self.uses:
-            return False
-        self.done = 0  # a retained graph may be backpropagated again
-        return True
-
-
-def _use_count(module) -> _UseCount | None:
-    """This forward's use count of `module` (grad mode only: no backward follows otherwise)."""
-    if not torch.is_grad_enabled():
-        return None
-    ref = getattr(module, "_sdp_use_count", None)
-    count = ref() if ref is not None else None
-    if count is None or count.done > 0:  # none alive, or its backward began: a new forward
-        count = _UseCount()
-        module._sdp_use_count = weakref.ref(count)
-    count.uses += 1
-    return count
-
-
-class _OwnedLinearFunction(torch.autograd.Function):
-    """y = x W^T + b with the full W; backward gives dense grad_x but the weight (and
-    bias) gradient only for the owned runs of rows or columns. Every gradient comes from
-    the masked linear's formulas: the dense grad_x from `ops.masked_linear_backward`, the
-    owned runs' weight and bias gradients from `ops.masked_linear_grad_runs_` (strided
-    views into the GEMM: the owned indices are runs, so nothing is gathered); this
-    Function only decides where each goes.
-
-    `runs` [(start, length)] along `dim` (0: rows, 1: columns), in the order of `views`;
-    `direct[i]` (a DirectGradient or None) sends run i's weight gradient straight into
-    its communication bucket instead of returning it to autograd."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, dim, runs, direct, n_weight_views, use_count, *views):
-        # Under autocast run (and save) the operands in autocast's dtype, as nn.Linear does,
-        # so the backward's operands share one dtype; autograd casts the gradients back.
-        ctx.bias_is_param = bias is not None and bias.requires_grad  # before the cast (a non-leaf copy)
-        dtype = autocast_dtype(weight)
-        x, weight, bias = cast_to(x, dtype), cast_to(weight, dtype), cast_to(bias, dtype)
-        ctx.save_for_backward(x, weight)
-        ctx.dim, ctx.runs, ctx.direct, ctx.n_weight_views = dim, runs, direct, n_weight_views
-        ctx.use_count = use_count
-        return torch.nn.functional.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        x, weight = ctx.saved_tensors
-        g2 = grad_y.reshape(-1, grad_y.shape[-1]).contiguous()
-        x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        # views = weight runs, then (rows sliced with a sliced bias) one bias run each
-        owned_bias = ctx.dim == 0 and len(ctx.needs_input_grad) > 8 + ctx.n_weight_views
-        # A Linear called several times per forward (weight sharing) sums its uses' gradients
-        # in the bucket; the bucket may be issued only after the last use's backward.
-        last_use = ctx.use_count is None or ctx.use_count.backward_ran()
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            gx = ops.masked_linear_backward(g2, x2, weight, dense_grad_input=True, output_mask=(True, False, False),
-                                            check_indices=False)[0]
-            grad_x = gx.reshape(x.shape)
-        grads = []
-        for d, run in zip(ctx.direct, ctx.runs):
-            out_runs, in_runs = ([run], []) if ctx.dim == 0 else ([], [run])
-            if d is not None:
-                d.write(g2, x2, out_runs, in_runs, last_use)
-                grads.append(None)
-            else:
-                gw = g2.new_empty((run[1], x2.shape[1]) if ctx.dim == 0 else (g2.shape[1], run[1]))
-                ops.masked_linear_grad_runs_(gw, None, g2, x2, out_runs, in_runs)
-                grads.append(gw)
-        if owned_bias:
-            for run in ctx.runs:
-                gb = g2.new_empty(run[1])
-                ops.masked_linear_grad_runs_(None, gb, g2, x2, [run])
-                grads.append(gb)
-        grad_bias = None
-        if ctx.bias_is_param:  # an unsliced bias: every output's sum
-            grad_bias = g2.new_empty(g2.shape[1])
-            ops.masked_linear_grad_runs_(None, grad_bias, g2, x2)
-        return (grad_x, None, grad_bias, None, None, None, None, None, *grads)
-
-
-def _owned_linear_forward(module, x):
-    weight_views = [getattr(module, n) for n in module._sdp_views["weight"]]
-    bias_views = [getattr(module, n) for n in module._sdp_views.get("bias", [])]
-    bias = module.bias_full if "bias" in module._sdp_views else module.bias
-    return _OwnedLinearFunction.apply(x, module.weight_full, bias, module._sdp_dim, module._sdp_runs,
-                                      module._sdp_direct, len(weight_views), _use_count(module),
-                                      *weight_views, *bias_views)
 
 
 class _AssembleOwned:
@@ -291,8 +161,23 @@ class _AssembleOwned:
             object.__setattr__(module, attr, torch.cat(parts, dim))
 
 
-def prepare_backward(model: nn.Module, plan, pieces: list[Piece], rank: int):
-    """Backward regime, in place.
+def _owned_layer(module: nn.Module, owned: dict, path: str, rank: int) -> OwnedLayer | None:
+    """The engine's stand-in for `module` (OwnedLinear, OwnedConv2d) when one applies to its
+    sliced tensors ({leaf: (dim, owned pieces)}), else None (the generic path)."""
+    if isinstance(module, nn.Linear) and set(owned) <= {"weight", "bias"} and "weight" in owned:
+        if not owned["weight"][1]:
+            raise ValueError(f"rank {rank} owns no slice of {path!r} (backward regime needs at least one)")
+        return OwnedLinear(module, owned)
+    if conv_can_be_owned(module, owned) and owned["weight"][1]:
+        return OwnedConv2d(module, owned)
+    return None
+
+
+def prepare_backward(model: nn.Module, plan, pieces: list[Piece], rank: int, swaps: ModuleSwaps):
+    """Backward regime, in place. Sliced Linear and Conv2d layers are replaced (`swaps`) by
+    OwnedLinear / OwnedConv2d holding their full tensors and owned views; other sliced layers
+    keep their module: their sliced tensors move to `{leaf}_full` buffers beside the owned
+    views, and a pre-hook assembles the tensor each forward (_AssembleOwned).
 
     Returns:
         piece_params: {piece: Parameter} for the owned sliced pieces (views of the full tensors).
@@ -312,48 +197,24 @@ def prepare_backward(model: nn.Module, plan, pieces: list[Piece], rank: int):
             by_module.setdefault(split_name(p.name)[0], []).append(p)
     for path, mine in by_module.items():
         module = model.get_submodule(path)
-        views, attrs = {}, {}
-        for leaf in dict.fromkeys(split_name(p.name)[1] for p in mine):
-            full = module._parameters.pop(leaf).detach().requires_grad_(False)
-            module.register_buffer(leaf + "_full", full, persistent=False)
-            object.__setattr__(module, leaf, full)  # code reading e.g. q_proj.weight.shape keeps working
-            value_refs[f"{path}.{leaf}" if path else leaf] = (module, leaf + "_full")
-            runs = []
-            for i, p in enumerate(q for q in mine if split_name(q.name)[1] == leaf and rank in q.owners):
-                view_name = f"{leaf}_owned{i}"
-                param = nn.Parameter(full.narrow(p.dim, p.start, p.length))
-                module.register_parameter(view_name, param)
-                piece_params[p] = param
-                runs.append((p.start, p.length, view_name))
-            views[leaf] = [v for _, _, v in runs]
-            attrs[leaf] = (next(p.dim for p in mine if split_name(p.name)[1] == leaf), runs)
-        if isinstance(module, nn.Linear) and set(attrs) <= {"weight", "bias"} and "weight" in attrs:
-            dim, runs = attrs["weight"]
-            module._sdp_views, module._sdp_dim = views, dim
-            module._sdp_runs = [(start, length) for start, length, _ in runs]
-            module._sdp_direct = [None] * len(runs)  # set by the engine (attach_direct_gradients)
-            if not runs:
-                raise ValueError(f"rank {rank} owns no slice of {path!r} (backward regime needs at least one)")
-            module.forward = types.MethodType(_owned_linear_forward, module)
-        elif not install_owned_conv(module, attrs):
-            handles.append(module.register_forward_pre_hook(_AssembleOwned(attrs)))
+        owned = {}  # leaf -> (dim, this rank's pieces of it)
+        for p in mine:
+            dim, pieces_of_leaf = owned.setdefault(split_name(p.name)[1], (p.dim, []))
+            if rank in p.owners:
+                pieces_of_leaf.append(p)
+        layer = _owned_layer(module, owned, path, rank)
+        for leaf, (dim, pieces_of_leaf) in owned.items():
+            value_refs[f"{path}.{leaf}" if path else leaf] = (layer if layer is not None else module, leaf + "_full")
+            if layer is not None:  # the user's module keeps its Parameter; the layer holds a detached alias
+                layer.own(leaf, getattr(module, leaf), dim, pieces_of_leaf, piece_params)
+                continue
+            full = module._parameters.pop(leaf)
+            runs = own_slices(module, leaf, full, pieces_of_leaf, piece_params)
+            # A plain attribute under the tensor's name, so code reading e.g. norm.weight.shape keeps working.
+            object.__setattr__(module, leaf, module.get_buffer(leaf + "_full"))
+            owned[leaf] = (dim, runs)
+        if layer is not None:
+            swaps.swap(model, path, layer)
+        else:
+            handles.append(module.register_forward_pre_hook(_AssembleOwned(owned)))
     return piece_params, value_refs, handles
-
-
-def attach_direct_gradients(model: nn.Module, piece_params: dict, view_for, ready) -> int:
-    """Backward regime: route the owned weight runs of masked Linear layers straight into
-    their communication buckets. view_for(piece, numel) -> 1-D bucket view or None;
-    ready(piece) is called once the run's gradient is written. Returns how many runs."""
-    by_param = {id(param): piece for piece, param in piece_params.items()}
-    count = 0
-    for module in model.modules():
-        if getattr(module, "_sdp_direct", None) is None:
-            continue
-        for i, name in enumerate(module._sdp_views["weight"]):
-            param = getattr(module, name)
-            piece = by_param.get(id(param))
-            view = view_for(piece, param.numel()) if piece is not None else None
-            if view is not None:
-                module._sdp_direct[i] = DirectGradient(param, view, piece, ready)
-                count += 1
-    return count

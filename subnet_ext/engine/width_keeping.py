@@ -22,13 +22,12 @@ plan.summary() names the modules that run this way and why. Linear projections o
 """
 from __future__ import annotations
 
-import types
-
 import torch
 import torch.nn as nn
 
 from .. import ops
 from ..planning.pieces import Piece, owned_indices
+from .module_swaps import ModuleSwaps, adopt_tensors
 from .slicing import replace_tensor, split_name
 
 
@@ -38,15 +37,33 @@ def keepable(root: nn.Module, prefix: str, group) -> bool:
     return all(isinstance(root.get_submodule(split_name(m.name[strip:])[0]), nn.Linear) for m in group.members)
 
 
-def _width_kept_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    out_idx, in_idx, width = module._sdp_width_kept
-    return ops.masked_linear(x, module.weight, module.bias, out_idx, in_idx, compact_weight=True,
-                             scatter_width=width, check_indices=False)
+class WidthKeptLinear(nn.Module):
+    """The forward regime's stand-in for a width-kept projection (module docstring), swapped in
+    for the user's nn.Linear (module_swaps.py). It holds the user's compact Parameters under
+    their own names (`weight` [kept out, in] or [out, kept in], `bias`) and the owned indices.
+
+    Producer (`out_index` given): x [..., in] -> [..., width], the owned rows' outputs at their
+    positions, zeros elsewhere. Consumer (`in_index` given): x [..., width] -> [..., out], from
+    the owned input columns only."""
+
+    def __init__(self, original: nn.Linear, out_index: torch.Tensor | None, in_index: torch.Tensor | None,
+                 width: int | None):
+        super().__init__()
+        adopt_tensors(self, original)
+        self.in_features, self.out_features = original.in_features, original.out_features
+        # Plain attributes, not buffers: they are no state of the model (no state-dict entry).
+        self.out_index, self.in_index, self.width = out_index, in_index, width
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The masked linear op on the compact weight, scattered to (or gathered from) the full width."""
+        return ops.masked_linear(x, self.weight, self.bias, self.out_index, self.in_index, compact_weight=True,
+                                 scatter_width=self.width, check_indices=False)
 
 
-def keep_width(root: nn.Module, prefix: str, group, pieces: list[Piece], rank: int) -> None:
+def keep_width(root: nn.Module, prefix: str, group, pieces: list[Piece], rank: int, swaps: ModuleSwaps) -> None:
     """Slice `group`'s member tensors in `root` to this rank's units (compact, in global order) and
-    make its modules keep their width, in place (module docstring). root/prefix as slice_group's."""
+    swap its modules for WidthKeptLinear layers (recorded in `swaps`), in place (module docstring).
+    root/prefix as slice_group's."""
     strip = len(prefix) + 1 if prefix else 0
     by_module = {}
     for name in dict.fromkeys(m.name for m in group.members):
@@ -65,5 +82,5 @@ def keep_width(root: nn.Module, prefix: str, group, pieces: list[Piece], rank: i
         _, idx = owned_indices(pieces, rank, names[0])  # a producer's bias shares its weight's rows
         idx = idx.to(module.weight.device)
         # Producer: owned output rows scattered into the full width. Consumer: owned input columns.
-        module._sdp_width_kept = (None, idx, None) if consumer else (idx, None, width)
-        module.forward = types.MethodType(_width_kept_forward, module)
+        layer = WidthKeptLinear(module, None, idx, None) if consumer else WidthKeptLinear(module, idx, None, width)
+        swaps.swap(root, path, layer)

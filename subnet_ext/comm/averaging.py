@@ -241,6 +241,11 @@ class BucketedAverager:
         """Bytes of the bucket buffers allocated so far on this rank (alignment gaps included)."""
         return sum(s.buffer.numel() * s.buffer.element_size() for s in self.states if s.buffer is not None)
 
+    def gradient_homes(self) -> dict:
+        """{id(parameter): its gradient home (a tensor shaped like the parameter)}, for the
+        parameters whose gradient was issued at least once (a copy: the averager owns them)."""
+        return dict(self._homes)
+
     def buffer_storages(self) -> set:
         """Data pointers of the allocated bucket buffers' storages."""
         return {s.buffer.untyped_storage().data_ptr() for s in self.states if s.buffer is not None}

@@ -42,6 +42,7 @@ from . import clipping, evaluation, guard, reports
 from .communication import build_communication
 from .config import SDPConfig, config_from
 from .ddp_interface import DDPInterface
+from .engine_parts import EngineParts
 from .eval_mode import EvalForward
 from .optimizer_guard import OptimizerGuard
 from .phase import Phase
@@ -57,7 +58,7 @@ from .surgery import materialise_forward, prepare_backward
 from .sync_norm import assign_sync_norm_groups, sync_norm_owners
 
 
-class SubnetDataParallel(DDPInterface, nn.Module):
+class SubnetDataParallel(DDPInterface, EngineParts, nn.Module):
     """Wraps `model` (modified in place) so this rank trains its subnetwork of `plan`.
 
     Args:
@@ -75,6 +76,8 @@ class SubnetDataParallel(DDPInterface, nn.Module):
     Attributes:
         module: the wrapped model (this rank's subnetwork), as DDP's `module`.
         plan: the plan; config: the SDPConfig; rank, world_size: this rank and K.
+        layout, communicator, averager, refresh, shared_shards, call_ledger: the engine's parts, read-only
+            (engine_parts.py).
     """
 
     def __init__(self, model: nn.Module, plan: SubnetPlan, config: SDPConfig | None = None, *, process_group=None,

@@ -165,8 +165,8 @@ def _training_adds_nothing(rank, world):
     for checked in (True, False):
         model = make_model()
         sdp = sx.SubnetDataParallel(model, sx.plan_subnetworks(model, world, 0.5, "neuron"), regime="backward")
-        store = _CountingStore(sdp._call_ledger.store) if checked else None
-        sdp._call_ledger.store = store  # None: the engine without the order check
+        store = _CountingStore(sdp.call_ledger.store) if checked else None
+        sdp.call_ledger.store = store  # None: the engine without the order check
         opt = torch.optim.AdamW(sdp.parameters(), lr=1e-2)
         calls, original = [0], dist.all_reduce
 

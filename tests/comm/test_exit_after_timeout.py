@@ -46,7 +46,7 @@ rank = dist.get_rank()
 model = make_model()
 plan = sx.plan_subnetworks(model, dist.get_world_size(), coverage, "neuron")
 sdp = sx.SubnetDataParallel(model, plan, timeout=timeout)
-made += [weakref.ref(g) for g in sdp._comm.groups.values()]
+made += [weakref.ref(g) for g in sdp.communicator.groups.values()]
 opt = torch.optim.SGD(sdp.parameters(), lr=0.1)
 for step in range(10):
     x, y = batch(rank, step)

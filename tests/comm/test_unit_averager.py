@@ -88,7 +88,7 @@ def ranks_of(level, regime, strategy, cap_mb=0.002):
     for r in range(WORLD):
         sdp = sx.SubnetDataParallel(copy.deepcopy(model), plan, regime=regime, simulate_rank=r)
         averager = BucketedAverager(buckets, r, ThreadCommunicator(exchange, WORLD, r), torch.device("cpu"),
-                                    sdp._layout.averaging_places())
+                                    sdp.layout.averaging_places())
         out.append((sdp, averager))
     return plan, out
 
@@ -155,7 +155,7 @@ def test_parameters_are_averaged_among_owners(level, regime):
         with torch.no_grad():
             for param, name, view in local_views(plan, r, sdp.module):
                 if regime == "backward":  # full tensors: the owned-slice Parameters are views of them
-                    sdp._layout.value_of(name).copy_(values[r][name])
+                    sdp.layout.value_of(name).copy_(values[r][name])
                 else:
                     param.copy_(view(values[r][name]))
     on_threads([lambda a=a: a.average_now("parameters") for _, a in ranks])
@@ -171,7 +171,7 @@ def test_simulated_rank_keeps_its_own_gradients():
     sdp = ranks[1][0]
     averager = BucketedAverager(build_buckets(plan, global_pieces(plan), "groups", 0.002 * 2**20), 1,
                                 SimulatedCommunicator(WORLD, 1, CommCounter()), torch.device("cpu"),
-                                sdp._layout.averaging_places())
+                                sdp.layout.averaging_places())
     grads = full_draws(plan, 300)[1]
     for param, name, view in local_views(plan, 1, sdp.module):
         param.grad = view(grads[name]).clone()
@@ -186,7 +186,7 @@ def test_refresh_gives_every_rank_the_leaders_values():
     values = full_draws(plan, 400)
     refreshers = []
     for r, (sdp, _) in enumerate(ranks):
-        layout = sdp._layout
+        layout = sdp.layout
         with torch.no_grad():
             for name in plan.param_names:
                 layout.value_of(name).copy_(values[r][name])
@@ -198,5 +198,5 @@ def test_refresh_gives_every_rank_the_leaders_values():
             if not p.is_param or len(p.owners) == WORLD:
                 continue  # every rank owns it: nothing to refresh
             source = r if r in p.owners else p.leader  # owners keep their own; the others take the leader's
-            got = sdp._layout.value_of(p.name).narrow(p.dim, p.start, p.length)
+            got = sdp.layout.value_of(p.name).narrow(p.dim, p.start, p.length)
             assert torch.equal(got, values[source][p.name].narrow(p.dim, p.start, p.length)), (r, p)

@@ -75,7 +75,7 @@ def test_a_rank_alone_gets_its_own_gradients_rounded_to_the_wire_dtype():
 
 def test_a_hook_sees_each_held_piece_as_its_gradients_rectangle():
     _, sdp = engine()
-    places = sdp._layout.averaging_places()
+    places = sdp.layout.averaging_places()
     seen = []
 
     def hook(state, bucket):

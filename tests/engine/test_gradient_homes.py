@@ -31,7 +31,7 @@ def engine(level, regime, world=2, coverage=1.0, rank=0):
 
 
 def in_bucket(sdp, grad) -> bool:
-    return grad.untyped_storage().data_ptr() in sdp._averager.buffer_storages()
+    return grad.untyped_storage().data_ptr() in sdp.averager.buffer_storages()
 
 
 def replica_grads(replica, steps):
@@ -45,7 +45,7 @@ def replica_grads(replica, steps):
 def engine_grads(sdp):
     """{full name: gradient} of what the engine holds (backward regime: the owned views)."""
     out = {}
-    for piece, param in sdp._layout.piece_params.items():
+    for piece, param in sdp.layout.piece_params.items():
         out[(piece.name, piece.dim, piece.start, piece.length)] = param.grad
     for name, param in sdp.module.named_parameters():
         if not any(name.endswith(f"_owned{i}") for i in range(8)):
@@ -115,7 +115,7 @@ def test_pieces_of_several_owner_sets_keep_one_standalone_gradient():
         x, y = batch(1, s)
         F.cross_entropy(sdp(x), y).backward()
         kept.append([p.grad for p in params])
-    homes = sdp._averager._homes
+    homes = sdp.averager.gradient_homes()
     standalone = [i for i, p in enumerate(params) if id(p) in homes and not in_bucket(sdp, homes[id(p)])]
     assert standalone, "the plan should cut some parameter into pieces of several owner sets"
     for i in standalone:

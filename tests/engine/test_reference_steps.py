@@ -64,7 +64,7 @@ def piece_grads(sdp):
     out = {}
     for p in global_pieces(sdp.plan):
         if p.is_param and sdp.rank in p.owners:
-            param, (r0, r1, c0, c1) = sdp._layout.parameter_place(p)  # the gradient is shaped like param
+            param, (r0, r1, c0, c1) = sdp.layout.parameter_place(p)  # the gradient is shaped like param
             g = param.grad if param.grad is not None else torch.zeros_like(param)
             out[key(p)] = as_2d(g)[r0:r1, c0:c1].detach().clone()
     return out
@@ -75,7 +75,7 @@ def piece_values(sdp):
     out = {}
     for p in global_pieces(sdp.plan):
         if sdp.rank in p.owners and sdp.plan.is_float(p.name):
-            v, (r0, r1, c0, c1) = sdp._layout.value_place(p)
+            v, (r0, r1, c0, c1) = sdp.layout.value_place(p)
             out[key(p)] = as_2d(v)[r0:r1, c0:c1].detach().clone()
     return out
 
@@ -188,8 +188,8 @@ def own_memory(sdp, opt, param_names):
                 total += t.untyped_storage().nbytes() if whole_storage else t.numel() * t.element_size()
         return total
 
-    params = unique_bytes([*sdp.module.parameters(), *(sdp._layout.value_of(n) for n in param_names
-                                                         if sdp._layout.holds_whole(n))], True)
+    params = unique_bytes([*sdp.module.parameters(), *(sdp.layout.value_of(n) for n in param_names
+                                                         if sdp.layout.holds_whole(n))], True)
     grads = unique_bytes([p.grad for p in sdp.module.parameters() if p.grad is not None], False)
     state = unique_bytes([v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)], True)
     return {"parameters": params, "gradients": grads, "optimizer_state": state, "model_state": params + grads + state}

@@ -98,7 +98,7 @@ def _consistency(rank, sdp):
     piece = next(p for p in global_pieces(sdp.plan) if p.sliced and 2 in p.owners and len(p.owners) < 4)
     local = None
     if rank in piece.owners:
-        value, start = sdp._layout.value_of(piece.name), sdp._layout.local_start[piece]
+        value, start = sdp.layout.value_of(piece.name), sdp.layout.local_start[piece]
         local = value.narrow(piece.dim, start, piece.length)
     kept = local.detach().clone() if local is not None else None
     if rank == 2:

@@ -45,7 +45,7 @@ def _ddp_worker(rank, world, level, regime, folder):
             opt.zero_grad()
     full = sdp.full_state_dict()
     out = {"diff": _max_diff(full, ddp.module.state_dict()), "tied": full[TIED[0]] is full[TIED[1]],
-           "sharded": sorted(sdp._layout.sharded), "norms": [float(n) for n in norms]}
+           "sharded": sorted(sdp.layout.sharded), "norms": [float(n) for n in norms]}
     optim = sdp.full_optimizer_state_dict(opts[0])["state"]
     ddp_state = {n: opts[1].state[p] for n, p in ddp.module.named_parameters()}
     out["optim_diff"] = max((optim[n][k] - ddp_state[n][k]).abs().max().item()
@@ -131,9 +131,9 @@ def _owner_mean_worker(rank, world, folder):
         results[shard] = {"diff": _max_diff(full, expected), "memory": sdp.memory_report(opt),
                           "comm": sdp.comm_stats(), "predicted": sdp.predicted_model_state_bytes(0.0)}
         if shard:
-            shards = [p.to_local() for p in sdp._shards.parameters()]
+            shards = [p.to_local() for p in sdp.shared_shards.parameters()]
             results["counted_shard_bytes"] = sum(t.numel() * t.element_size() for t in shards)
-            results["shared_full_bytes"] = sum(full[n].numel() * 4 for n in sdp._layout.sharded)
+            results["shared_full_bytes"] = sum(full[n].numel() * 4 for n in sdp.layout.sharded)
             ids = tokens(99, 0)
             outputs = sdp.evaluate(ids)
             with torch.no_grad():
@@ -145,7 +145,7 @@ def _owner_mean_worker(rank, world, folder):
             sdp.verify_consistency()  # units' owners agree; the shards have one holder each
             local = sdp.local_full_state_dict()
             results["local_rows"] = {n: (~torch.isnan(local[n].reshape(local[n].shape[0], -1)[:, 0])).nonzero()
-                                     .flatten().tolist() for n in sdp._layout.sharded}
+                                     .flatten().tolist() for n in sdp.layout.sharded}
             results["local_match"] = all(torch.equal(local[n][r], full[n][r]) for n, r in results["local_rows"].items())
             save_subnet_checkpoint(folder, 3, sdp, opt)
     return results

@@ -76,7 +76,7 @@ def test_steps_after_warm_up_read_nothing_and_prepare_nothing(device, regime, le
         step(sdp, opt, data[2 * s:2 * s + 2], precision, kept)
     assert sdp.comm_stats()["collectives"] > 0  # buckets (and, backward regime, the refresh) did run
     validations = table_validations()
-    preparations = sdp._averager.prepared.preparations, sdp._refresh.prepared.preparations if sdp._refresh else 0
+    preparations = sdp.averager.prepared.preparations, sdp.refresh.prepared.preparations if sdp.refresh else 0
     sync = torch.cuda.set_sync_debug_mode if device == "cuda" else (lambda mode: None)
     with counting_host_reads() as host:
         sync("error")
@@ -87,5 +87,5 @@ def test_steps_after_warm_up_read_nothing_and_prepare_nothing(device, regime, le
             sync("default")
     assert host.reads == [], host.reads
     assert table_validations() == validations
-    assert (sdp._averager.prepared.preparations, sdp._refresh.prepared.preparations if sdp._refresh else 0) == \
+    assert (sdp.averager.prepared.preparations, sdp.refresh.prepared.preparations if sdp.refresh else 0) == \
         preparations

@@ -30,11 +30,11 @@ def test_refresh_pieces_start_at_16_byte_offsets():
     model = ResidualMLP(in_features=IN, num_classes=CLASSES, width=16, depth=2, hidden=30)  # runs of 15 neurons
     sdp = sx.SubnetDataParallel(model, sx.plan_subnetworks(model, 4, 0.5, "neuron"), regime="backward",
                                 simulate_rank=1)
-    broadcasts = sdp._refresh.broadcasts
+    broadcasts = sdp.refresh.broadcasts
     assert broadcasts
     sizes = set()
     for _, pieces, table, _, _, total in broadcasts:
-        elem = sdp._refresh.places[pieces[0]].value.element_size()
+        elem = sdp.refresh.places[pieces[0]].value.element_size()
         assert all(off * elem % 16 == 0 for off in table[:, 5].tolist()), table
         counts = ((table[:, 2] - table[:, 1]) * (table[:, 4] - table[:, 3])).tolist()
         sizes.update(c * elem % 16 for c in counts)

@@ -69,7 +69,7 @@ def test_mixed_dtypes_other_than_half_into_fp32_are_refused():
 
 def _owned_grads(sdp):
     """{(name, dim, start, length): gradient} of the backward regime's owned runs."""
-    return {(p.name, p.dim, p.start, p.length): param.grad for p, param in sdp._layout.piece_params.items()
+    return {(p.name, p.dim, p.start, p.length): param.grad for p, param in sdp.layout.piece_params.items()
             if param.grad is not None and param.dim() == 2}
 
 

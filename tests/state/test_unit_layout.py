@@ -36,7 +36,7 @@ def rect_of(full, rect):
 @pytest.mark.parametrize("rank", [0, 3])
 def test_held_values_are_the_original_pieces(level, regime, rank):
     original, plan, sdp = wrapped(level, regime, rank)
-    layout = sdp._layout
+    layout = sdp.layout
     held = layout.held_values()
     pieces = global_pieces(plan)
     # Forward regime: only the owned pieces are materialised; backward: every rank keeps full copies.
@@ -51,7 +51,7 @@ def test_held_values_are_the_original_pieces(level, regime, rank):
 def test_parameter_place_addresses_the_piece_in_the_trained_parameter(level, regime):
     rank = 1
     original, plan, sdp = wrapped(level, regime, rank)
-    layout, trained = sdp._layout, {id(p) for p in sdp.parameters()}
+    layout, trained = sdp.layout, {id(p) for p in sdp.parameters()}
     views = {id(param): (name, view) for param, name, view in local_views(plan, rank, sdp.module)}
     owned = [p for p in global_pieces(plan) if p.is_param and rank in p.owners]
     assert owned
@@ -73,7 +73,7 @@ def snapshot(sdp):
 @pytest.mark.parametrize("level,regime", CASES)
 def test_lookups_create_and_change_nothing(level, regime):
     _, plan, sdp = wrapped(level, regime, 2)
-    layout = sdp._layout
+    layout = sdp.layout
     params, buffers = snapshot(sdp)
     assert all(no_grad for _, no_grad, _ in params.values())
     opt = torch.optim.SGD(sdp.parameters(), lr=0.1)
@@ -100,7 +100,7 @@ def test_lookups_create_and_change_nothing(level, regime):
 @pytest.mark.parametrize("level,regime", CASES)
 def test_held_pieces_write_into_and_read_from_full_tensors(level, regime):
     _, plan, sdp = wrapped(level, regime, 3)
-    layout = sdp._layout
+    layout = sdp.layout
     g = torch.Generator().manual_seed(5)
     new = {n: torch.randn(shape, generator=g) for n, shape in plan.tensor_shapes.items() if plan.is_float(n)}
     for h in layout.held_values():
@@ -118,10 +118,20 @@ def test_held_pieces_write_into_and_read_from_full_tensors(level, regime):
 
 def test_value_of_names_what_is_not_held():
     _, plan, sdp = wrapped("block", "forward", 0)
-    layout = sdp._layout
+    layout = sdp.layout
     skipped = [p.name for p in layout.pieces if 0 not in p.owners]
     assert skipped
     for name in skipped:
         assert not layout.holds_whole(name)
         with pytest.raises((AttributeError, KeyError)):
             layout.value_of(name)
+
+
+def test_the_engine_hands_out_its_parts_read_only():
+    """`layout` and the other parts are the engine's own objects, and cannot be replaced from outside."""
+    _, _, sdp = wrapped("neuron", "backward", 1)
+    assert [id(p) for p in sdp.layout.trainable] == [id(p) for p in sdp.parameters()]
+    assert sdp.refresh is not None and sdp.shared_shards is None and sdp.communicator.groups is not None
+    for part in ("layout", "communicator", "averager", "refresh", "shared_shards", "call_ledger"):
+        with pytest.raises(AttributeError):
+            setattr(sdp, part, None)

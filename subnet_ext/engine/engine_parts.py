@@ -1,0 +1,49 @@
+"""Read-only access to the parts SubnetDataParallel is made of, for inspection and tests.
+
+A mixin, like ddp_interface.py: the engine builds and owns each part (one object, one piece
+of mutable state); these properties hand them out without a setter, so code outside the
+engine never needs its private attributes and cannot replace a part behind its back.
+"""
+from __future__ import annotations
+
+from ..comm.averaging import BucketedAverager
+from ..comm.call_check import CallLedger
+from ..comm.communicator import Communicator
+from ..comm.refresh import CopyRefresher
+from ..state.layout import RankLayout
+from .sharding import SharedShards
+
+
+class EngineParts:
+    """layout, communicator, averager, refresh, shared_shards and call_ledger of a SubnetDataParallel."""
+
+    @property
+    def layout(self) -> RankLayout:
+        """Where each piece's value, gradient, optimizer state and shard lives on this rank (state/layout.py)."""
+        return self._layout
+
+    @property
+    def communicator(self) -> Communicator:
+        """The owner-set process groups and the byte counter of the engine's collectives (comm/communicator.py)."""
+        return self._comm
+
+    @property
+    def averager(self) -> BucketedAverager:
+        """The bucketed averager of gradients and parameters among owners (comm/averaging.py)."""
+        return self._averager
+
+    @property
+    def refresh(self) -> CopyRefresher | None:
+        """The backward regime's refresh of the copies of units this rank does not own
+        (comm/refresh.py), or None (forward regime, or nothing to refresh)."""
+        return self._refresh
+
+    @property
+    def shared_shards(self) -> SharedShards | None:
+        """FSDP2 over the plan's shared parameters (shard_shared=True, shared_shards.py), or None."""
+        return self._shards
+
+    @property
+    def call_ledger(self) -> CallLedger:
+        """The check that every rank calls the collective methods in one order (comm/call_check.py)."""
+        return self._call_ledger

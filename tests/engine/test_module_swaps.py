@@ -1,0 +1,146 @@
+"""The engine swaps its own layers in for the user's sliced layers, and close() swaps them back.
+
+Backward regime (neuron level): each sliced nn.Linear becomes an OwnedLinear, each plain sliced
+nn.Conv2d an OwnedConv2d; forward regime with width kept (forced on a small GPT): the head
+groups' projections become WidthKeptLinear. Checked, on a simulated rank of a 2-rank plan:
+
+- the layers at the sliced paths are the engine's types, and the user's layer objects (kept
+  aside) have the same instance attributes as before wrapping (no `forward`, nothing new), the
+  same Parameter objects and the same values;
+- the swap moves no name: the wrapped model's parameter and state-dict names are the same as
+  if the user's layer held the owned views itself (`path.weight_owned{i}`, the unsliced
+  `path.bias`), and an owned layer's `weight` reads as the full tensor.
+
+With 2 gloo ranks: after training and close(), every parent holds the user's original layer
+objects, the model's Parameters are the objects it had before wrapping, its state-dict keys
+are the original ones, and its forward equals an unwrapped model loaded with full_state_dict().
+"""
+import copy
+import warnings
+
+import torch
+import torch.nn as nn
+
+import subnet_ext as sx
+from sdp_helpers import batch, make_model, train
+from subnet_ext.engine import surgery
+from subnet_ext.engine.owned_conv import OwnedConv2d
+from subnet_ext.engine.owned_linear import OwnedLinear
+from subnet_ext.engine.width_keeping import WidthKeptLinear
+from subnet_ext.models.gpt import GPT, GPTConfig
+from subnet_ext.models.resnet import resnet18
+from subnet_ext.testing import run_distributed
+
+
+def plan_quietly(model, world, coverage, level):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # coverage warnings of small plans
+        return sx.plan_subnetworks(model, world, coverage, level)
+
+
+def sliced_paths(plan) -> set[str]:
+    """The modules holding a tensor the plan slices into units."""
+    return {m.name.rpartition(".")[0] for g in plan.groups for m in g.members}
+
+
+def user_view(model) -> dict:
+    """{path: (instance attribute names, {parameter name: id})} of every module, as the user sees it."""
+    return {path: (sorted(vars(m)), {n: id(p) for n, p in m._parameters.items()})
+            for path, m in model.named_modules()}
+
+
+def check_backward_swaps(model, owned_type) -> None:
+    plan = plan_quietly(model, 2, 0.5, "neuron")
+    originals = dict(model.named_modules())
+    before, values = user_view(model), {n: p.detach().clone() for n, p in model.named_parameters()}
+    sdp = sx.SubnetDataParallel(model, plan, regime="backward", simulate_rank=0)
+    swapped = {path for path, m in model.named_modules() if isinstance(m, (OwnedLinear, OwnedConv2d))}
+    assert swapped and swapped <= sliced_paths(plan), (swapped, sliced_paths(plan))
+    assert any(isinstance(model.get_submodule(p), owned_type) for p in swapped), swapped
+    for path in swapped:
+        layer, original = model.get_submodule(path), originals[path]
+        assert layer is not original and type(original) in (nn.Linear, nn.Conv2d), path
+        assert user_view(original)[""] == before[path], (path, user_view(original)[""], before[path])
+        assert torch.equal(original.weight, values[path + ".weight"]) and original.weight.requires_grad, path
+        assert layer.weight.shape == original.weight.shape and layer.weight.data_ptr() == original.weight.data_ptr()
+        names = [n for n, _ in layer.named_parameters()]
+        owned = [n for n in names if n.startswith("weight_owned")]
+        assert owned and set(names) - set(owned) <= {"bias", "bias_owned0", "bias_owned1"}, (path, names)
+        if "bias" in names:
+            assert layer.bias is original.bias, path  # an unsliced bias: the user's own Parameter
+    untouched = [p for p in before if not any(p == s or p.startswith(s + ".") for s in swapped)]
+    assert all(type(model.get_submodule(p)) is type(originals[p]) for p in untouched)
+    assert sdp.layout.piece_params, "the owned views are the layout's piece parameters"
+
+
+def test_backward_regime_swaps_sliced_linears_and_keeps_the_users_layers_untouched():
+    check_backward_swaps(make_model(), OwnedLinear)
+
+
+def test_backward_regime_swaps_sliced_convs():
+    torch.manual_seed(0)
+    check_backward_swaps(resnet18(num_classes=5, in_channels=1, width=4), OwnedConv2d)
+
+
+def test_owned_linear_matches_the_users_layer_and_names_do_not_move():
+    model = make_model()
+    plain = copy.deepcopy(model)
+    plan = plan_quietly(model, 2, 0.5, "neuron")
+    sdp = sx.SubnetDataParallel(model, plan, regime="backward", simulate_rank=1)
+    x, _ = batch(1, 0)
+    torch.testing.assert_close(sdp(x), plain(x), rtol=0, atol=0)  # the backward regime's forward is the full model
+    names = [n for n, _ in model.named_parameters()]
+    for path, m in model.named_modules():
+        if isinstance(m, OwnedLinear):
+            assert f"{path}.weight_owned0" in names and f"{path}.weight" not in names, names
+    assert set(sdp.layout.value_refs) >= {p + ".weight" for p, m in model.named_modules()
+                                          if isinstance(m, OwnedLinear)}
+
+
+def test_width_kept_projections_are_swapped(monkeypatch):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=32, n_layer=2, n_head=4, n_embd=32))
+    plan = plan_quietly(model, 2, 0.5, "neuron")
+    monkeypatch.setattr(surgery, "check_sliced_heads",
+                        lambda m, plan, pieces, r: {g.path: "forced" for g in plan.groups if g.kind == "head"})
+    originals, before = dict(model.named_modules()), user_view(model)
+    names_before = [n for n, _ in model.named_parameters()]
+    sx.SubnetDataParallel(model, plan, regime="forward", simulate_rank=0)
+    kept = {path for path, m in model.named_modules() if isinstance(m, WidthKeptLinear)}
+    assert kept == {f"transformer.h.{i}.attn.{p}" for i in range(2) for p in ("c_attn", "c_proj")}, kept
+    assert [n for n, _ in model.named_parameters()] == names_before  # the compact weights keep their names
+    for path in kept:
+        assert sorted(vars(originals[path])) == before[path][0], path  # no attribute added to the user's layer
+        assert model.get_submodule(path).weight is originals[path].weight
+
+
+def _close_worker(rank, world):
+    results = []
+    for regime in ("backward", "forward"):
+        model = make_model()
+        fresh = make_model(seed=5)
+        originals = dict(model.named_modules())
+        params_before = {n: id(p) for n, p in model.named_parameters()}
+        keys_before = list(model.state_dict())
+        sdp = sx.SubnetDataParallel(model, plan_quietly(model, world, 0.5, "neuron"), regime=regime)
+        swapped = sum(isinstance(m, (OwnedLinear, OwnedConv2d)) for m in model.modules())
+        train(sdp, torch.optim.SGD(sdp.parameters(), lr=0.1), rank, 2)
+        fresh.load_state_dict(sdp.full_state_dict())
+        sdp.close()
+        x, _ = batch(rank, 7)
+        with torch.no_grad():
+            same_output = torch.equal(model(x), fresh(x))
+        results.append({"regime": regime, "swapped": swapped, "same_output": same_output,
+                        "same_modules": all(m is originals[p] for p, m in model.named_modules()),
+                        "same_params": {n: id(p) for n, p in model.named_parameters()} == params_before,
+                        "same_keys": list(model.state_dict()) == keys_before})
+    return results
+
+
+def test_close_puts_the_users_layers_back():
+    for rank_results in run_distributed(_close_worker, 2, timeout=300.0):
+        for r in rank_results:
+            assert r["swapped"] > 0 or r["regime"] == "forward", r
+            assert r["same_output"] and r["same_keys"], r
+            if r["regime"] == "backward":  # the swapped layers come back as the same objects
+                assert r["same_modules"] and r["same_params"], r

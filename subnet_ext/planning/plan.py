@@ -35,11 +35,8 @@ from .coverage import check_arguments, owners_per_unit, warn_if_rounded
 from .rank_graph import check_ranks_tied, components, rank_graph, spectral_gap
 from .aliases import find_aliases
 from .blocks import find_blocks
-from .units import UnitGroup, check_no_chained, find_neuron_groups, slice_numel
-
-
-
-FLOAT_DTYPES = ("float32", "float64", "float16", "bfloat16")  # the dtype names plans record for floats
+from .plan_costs import FLOAT_DTYPES, dtype_bytes, plan_costs
+from .units import UnitGroup, check_no_chained, find_neuron_groups
 
 
 @dataclass(frozen=True)
@@ -75,8 +72,15 @@ class SubnetPlan:
         flops_source: how the FLOPs were counted (str).
     """
 
-    def __init__(self, *, world_size, coverage, level, seed, groups, owners, shared, tensor_shapes,
-                 tensor_dtypes, fingerprint, flops=None, aliases=None):
+    def __init__(self, *, world_size: int, coverage: float, level: str, seed: int, groups: list[UnitGroup],
+                 owners: torch.Tensor, shared: list[str], tensor_shapes: dict, tensor_dtypes: dict, param_names,
+                 fingerprint: str, flops: dict | None = None, aliases: dict | None = None):
+        """A plan from its parts, checked (ValueError naming what is wrong): owners bool
+        [world_size, units] over the units of `groups` in order; tensor_shapes / tensor_dtypes /
+        param_names: the model's state-dict entries in model order (dtypes by name, "float32"),
+        aliases included; flops: {"unit": [units], "shared", "source"} as traced, or None for
+        2 x parameters. plan_subnetworks and from_json build it; so may a caller with its own owners."""
+        self._param_names = list(param_names)
         self.world_size, self.coverage, self.level, self.seed = world_size, coverage, level, seed
         self.groups: list[UnitGroup] = groups
         self.owners = owners
@@ -101,54 +105,25 @@ class SubnetPlan:
             else:
                 self.units += [Unit(g.kind, g.path, j) for j in range(g.size)]
             self.unit_ranges.append((start, len(self.units)))
-        self._costs(flops)
+        for name, value in vars(plan_costs(groups, self.unit_ranges, self.tensor_shapes, self.tensor_dtypes, shared,
+                                           self._param_names, flops)).items():
+            setattr(self, name, value)  # unit_bytes, unit_flops, shared_bytes, ... (plan_costs.PlanCosts)
         self.check()
 
     # ----------------------------------------------------------------- costs
-    def _bytes_of(self, name, numel):
-        return numel * torch.empty((), dtype=_dtype(self.tensor_dtypes[name])).element_size()
-
-    def _costs(self, flops=None):
-        """Bytes from the shapes; FLOPs from `flops` ({"unit": [units], "shared", "source"}) or 2 x params."""
-        ub = np.zeros(len(self.units))
-        ubuf = np.zeros(len(self.units))
-        uparams = np.zeros(len(self.units))
-        for g, (a, b) in zip(self.groups, self.unit_ranges):
-            if g.kind == "block":
-                n = sum(math.prod(self.tensor_shapes[p]) for p in g.params)
-                ub[a] = sum(self._bytes_of(p, math.prod(self.tensor_shapes[p])) for p in g.params)
-                ubuf[a] = sum(self._bytes_of(p, math.prod(self.tensor_shapes[p])) for p in g.buffers
-                              if self.is_float(p))
-                uparams[a] = n
-            else:
-                for m in g.members:
-                    numel = slice_numel(self.tensor_shapes[m.name], m)
-                    if not m.buffer:
-                        ub[a:b] += self._bytes_of(m.name, numel)
-                        uparams[a:b] += numel
-                    elif self.is_float(m.name):
-                        ubuf[a:b] += self._bytes_of(m.name, numel)
-        self.unit_bytes = torch.from_numpy(ub)
-        self.unit_buffer_bytes = torch.from_numpy(ubuf)
-        self.shared_buffer_bytes = float(sum(self._bytes_of(n, math.prod(self.tensor_shapes[n])) for n in self.shared
-                                             if n not in self.param_names and self.is_float(n)))
-        self.shared_params = [n for n in self.shared if n in self.param_names]
-        self.shared_bytes = float(sum(self._bytes_of(n, math.prod(self.tensor_shapes[n])) for n in self.shared_params))
-        self.unit_params = torch.from_numpy(uparams)
-        self.shared_param_count = sum(self.numel_of(n) for n in self.shared_params)
-        if flops is None:
-            self.unit_flops = torch.from_numpy(2.0 * uparams)
-            self.shared_flops = 2.0 * sum(math.prod(self.tensor_shapes[n]) for n in self.shared_params)
-            self.flops_source = "2 x parameters per sample position (no sample_input given, so a convolution's " \
-                                "spatial size and attention's length are not counted)"
-        else:
-            self.unit_flops = torch.tensor([float(f) for f in flops["unit"]], dtype=torch.float64)
-            self.shared_flops = float(flops["shared"])
-            self.flops_source = str(flops["source"])
+    def bytes_of(self, name: str, numel: int | None = None) -> int:
+        """Bytes of `numel` elements (default: the whole entry) of state-dict entry `name`'s dtype."""
+        return (self.numel_of(name) if numel is None else numel) * dtype_bytes(self.tensor_dtypes[name])
 
     def is_float(self, name: str) -> bool:
         """True when state-dict entry `name` is floating point (averaged; integers are not)."""
         return self.tensor_dtypes[name] in FLOAT_DTYPES
+
+    @property
+    def entries(self) -> list[tuple[str, tuple, str]]:
+        """(name, shape, dtype name) of every state-dict entry of the original model, in model
+        order, aliases included (tensor_shapes lists canonical names only)."""
+        return list(self._entries)
 
     @property
     def param_names(self) -> set:
@@ -270,14 +245,12 @@ class SubnetPlan:
             d = json.loads(text)
             check_plan_json(d)  # types, ranges and cross-field consistency, before anything is built
             owners = torch.tensor(d["owners"], dtype=torch.uint8)
-            plan = SubnetPlan.__new__(SubnetPlan)
-            plan._param_names = list(d["param_names"])
-            SubnetPlan.__init__(
-                plan, world_size=int(d["world_size"]), coverage=float(d["coverage"]), level=str(d["level"]),
+            plan = SubnetPlan(
+                world_size=int(d["world_size"]), coverage=float(d["coverage"]), level=str(d["level"]),
                 seed=int(d["seed"]), groups=[UnitGroup.from_dict(g) for g in d["groups"]],
                 owners=owners.bool(), shared=list(d["shared"]), tensor_shapes=d["tensor_shapes"],
-                tensor_dtypes=d["tensor_dtypes"], fingerprint=str(d["fingerprint"]), flops=d.get("flops"),
-                aliases=d.get("aliases", {}))
+                tensor_dtypes=d["tensor_dtypes"], param_names=d["param_names"], fingerprint=str(d["fingerprint"]),
+                flops=d.get("flops"), aliases=d.get("aliases", {}))
             check_arguments(plan.world_size, plan.coverage, plan.level)
             return plan
         except ValueError:
@@ -291,24 +264,17 @@ class SubnetPlan:
                 f"units={len(self.units)}, groups={len(self.groups)})")
 
 
-def _dtype(name: str) -> torch.dtype:
-    return getattr(torch, name.replace("torch.", ""))
-
-
 def _assign(level, k, r, groups, ranges, flops, block_assignment="rolling", **tensors) -> torch.Tensor:
     """Owner matrix bool [k, units] before the seed's relabelling, balanced on the units' costs.
 
-    tensors: shapes, dtypes, shared, param_names of the model (what SubnetPlan._costs reads).
+    tensors: shapes, dtypes, shared, param_names of the model (what plan_costs reads).
     """
-    tmp = SubnetPlan.__new__(SubnetPlan)
-    tmp.__dict__.update(groups=groups, tensor_shapes=tensors["shapes"], tensor_dtypes=tensors["dtypes"],
-                        shared=tensors["shared"], _param_names=tensors["param_names"], unit_ranges=ranges,
-                        units=[None] * ranges[-1][1])
-    tmp._costs(flops)
+    costs = plan_costs(groups, ranges, tensors["shapes"], tensors["dtypes"], tensors["shared"],
+                       tensors["param_names"], flops)
     if level == "block":
-        return assign_blocks(tmp.unit_bytes, tmp.unit_flops, k, r, block_assignment)
-    weight = torch.zeros(len(tmp.units), dtype=torch.float64)
-    for cost in (tmp.unit_bytes, tmp.unit_flops):
+        return assign_blocks(costs.unit_bytes, costs.unit_flops, k, r, block_assignment)
+    weight = torch.zeros(ranges[-1][1], dtype=torch.float64)
+    for cost in (costs.unit_bytes, costs.unit_flops):
         if float(cost.sum()) > 0:
             weight += cost / cost.sum()  # bytes and FLOPs each as a share of the model's, summed
     return assign_neurons(ranges, k, r, weight)
@@ -366,20 +332,18 @@ def plan_subnetworks(model: nn.Module, world_size: int, coverage: float, level: 
     k, r = world_size, owners_per_unit(world_size, coverage)
     warn_if_rounded(coverage, k, r)
 
-    plan = SubnetPlan.__new__(SubnetPlan)
-    plan._param_names = [n for n, _ in model.named_parameters()]
+    param_names = [n for n, _ in model.named_parameters()]
     ranges = _unit_ranges(groups)
     flops = None
     if sample_input is not None:
         unit_flops, shared_flops, source = trace_unit_flops(model, groups, sample_input)
         flops = {"unit": unit_flops.tolist(), "shared": shared_flops, "source": source}
     owners = _assign(level, k, r, groups, ranges, flops, block_assignment, shapes=shapes, dtypes=dtypes,
-                     shared=shared, param_names=plan._param_names)
+                     shared=shared, param_names=param_names)
     if seed:
         perm = list(range(k))
         random.Random(seed).shuffle(perm)
         owners = owners[torch.tensor(perm)]
-    SubnetPlan.__init__(plan, world_size=k, coverage=float(coverage), level=level, seed=seed, groups=groups,
-                        owners=owners, shared=shared, tensor_shapes=shapes, tensor_dtypes=dtypes,
-                        fingerprint=model_fingerprint(model), flops=flops, aliases=aliases)
-    return plan
+    return SubnetPlan(world_size=k, coverage=float(coverage), level=level, seed=seed, groups=groups, owners=owners,
+                      shared=shared, tensor_shapes=shapes, tensor_dtypes=dtypes, param_names=param_names,
+                      fingerprint=model_fingerprint(model), flops=flops, aliases=aliases)

@@ -44,7 +44,7 @@ def communicated_pieces(plan: SubnetPlan, shard_shared: bool) -> list[Piece]:
 
 def _row_bytes(plan: SubnetPlan, name: str) -> float:
     shape = plan.tensor_shapes[name]
-    return plan._bytes_of(name, math.prod(shape)) / shape[0]
+    return plan.bytes_of(name, math.prod(shape)) / shape[0]
 
 
 def shard_bytes(plan: SubnetPlan, rank: int) -> float:
@@ -75,7 +75,7 @@ def predicted_sharded_model_state(plan: SubnetPlan, rank: int, regime: str,
     """Parameters + gradients + optimizer state with the shared parameters sharded:
     forward regime (units owned + shared / K) x (2 + optimizer state per parameter);
     backward regime adds the full copies of units this rank does not own."""
-    shared = sum(plan._bytes_of(n, math.prod(plan.tensor_shapes[n])) for n in sharded_names(plan))
+    shared = sum(plan.bytes_of(n, math.prod(plan.tensor_shapes[n])) for n in sharded_names(plan))
     shard = shard_bytes(plan, rank)
     own = float(plan.bytes_per_rank[rank]) - shared + shard
     if regime == "backward":

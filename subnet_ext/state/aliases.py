@@ -15,7 +15,7 @@ def with_aliases(plan, state_dict: dict) -> dict:
     if not plan.aliases:
         return state_dict
     out = {}
-    for name, _, _ in plan._entries:
+    for name, _, _ in plan.entries:
         source = plan.aliases.get(name, name)
         if source in state_dict:
             out[name] = state_dict[source]

@@ -194,3 +194,30 @@ def test_plan_cli_plans_the_gpt_by_its_blocks(capsys):
     assert f"{total / 1e6:.1f}M parameters" in out and "(traced one forward of [1, 64] int64)" in out
     for rank in range(4):
         assert f"| {rank} | 2 | {held:,} |" in out, out
+
+
+def _parts(plan: SubnetPlan, owners: torch.Tensor) -> dict:
+    """The keyword arguments of SubnetPlan's constructor, read from `plan` through its public attributes."""
+    return dict(world_size=plan.world_size, coverage=plan.coverage, level=plan.level, seed=plan.seed,
+                groups=plan.groups, owners=owners, shared=plan.shared,
+                tensor_shapes={n: s for n, s, _ in plan.entries}, tensor_dtypes={n: d for n, _, d in plan.entries},
+                param_names=sorted(plan.param_names), fingerprint=plan.fingerprint,
+                flops={"unit": plan.unit_flops.tolist(), "shared": plan.shared_flops, "source": plan.flops_source},
+                aliases=plan.aliases)
+
+
+def test_a_plan_is_built_from_its_parts_by_its_public_constructor():
+    """The constructor from parts gives the planner's plan back; other owners give their own
+    costs per rank; a plan leaving a unit without an owner is refused by its check."""
+    plan = sx.plan_subnetworks(mlp(), 2, 1.0, "neuron")
+    assert SubnetPlan(**_parts(plan, plan.owners)).to_json() == plan.to_json()
+    only_rank0 = torch.zeros_like(plan.owners)
+    only_rank0[0] = True
+    only_rank0[1, [a for a, _ in plan.unit_ranges]] = True  # rank 1 keeps one unit per group
+    mine = SubnetPlan(**_parts(plan, only_rank0))
+    assert float(mine.bytes_per_rank[0]) == mine.full_bytes > float(mine.bytes_per_rank[1])
+    assert mine.bytes_of("blocks.0.fc1.weight") == 4 * mine.numel_of("blocks.0.fc1.weight")
+    unowned = plan.owners.clone()
+    unowned[:, 0] = False
+    with pytest.raises(ValueError, match="without an owner"):
+        SubnetPlan(**_parts(plan, unowned))

@@ -83,7 +83,7 @@ class LinearStochasticDepth(StochasticDepth):
 
     def kept_blocks(self, step: int, rank: int) -> list[bool]:
         """Which blocks rank `rank` keeps at step `step`: the base class's draws against each block's rate."""
-        from subnet_ext.cli.checkpointing import stream_seed
+        from subnet_ext.cli.run_checkpoints import stream_seed
 
         generator = torch.Generator().manual_seed(stream_seed(self.seed, step, rank) ^ 0x5D)
         return (torch.rand(len(self.blocks), generator=generator, dtype=torch.float64) >= self.drops).tolist()

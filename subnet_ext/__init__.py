@@ -5,10 +5,10 @@ only among the ranks that hold it. See README.md and docs/design.md.
 """
 import sys as _sys
 
-from .engine import checkpoint
+from .engine import subnet_checkpoint as checkpoint
 
 # `import subnet_ext.checkpoint` and `from subnet_ext.checkpoint import save_subnet_checkpoint` find
-# the same module as the attribute `subnet_ext.checkpoint` (subnet_ext/engine/checkpoint.py).
+# the same module as the attribute `subnet_ext.checkpoint` (subnet_ext/engine/subnet_checkpoint.py).
 _sys.modules[f"{__name__}.checkpoint"] = checkpoint
 from . import ops
 from .ops import reference

@@ -262,7 +262,7 @@ def _check_preset(p, args) -> None:
 
 
 def _check_checkpoint_args(p, args) -> None:
-    from ..state.checkpoint import list_checkpoints
+    from ..state.checkpoint_store import list_checkpoints
 
     if args.resume in ("latest", "auto") and not args.save_dir:
         p.error(f"--resume needs --save-dir (--resume {args.resume} looks for checkpoints there)")

@@ -25,7 +25,7 @@ class WorkerError(RuntimeError):
 
 def clean_stop_types() -> tuple:
     """Errors a run detects and stops on by design: reported in one line, no traceback."""
-    from ..state.checkpoint import CheckpointError
+    from ..state.checkpoint_store import CheckpointError
     from ..comm.collectives import CollectiveError
     from ..state.consistency import ConsistencyError
     from ..engine.guard import TooManySkippedSteps

@@ -8,7 +8,7 @@ Reliability (docs/reliability.md): a step whose gradients are not finite on some
 is skipped on every rank (`NonFiniteGuard`, decided on the device; the skipped steps are
 read with the losses, every --log-every steps, where `--max-skipped` stops the run);
 `--verify-every N` proves the owners agree; checkpoints are verified and atomic
-(`checkpointing`); every collective has a deadline (`--timeout`).
+(`run_checkpoints`); every collective has a deadline (`--timeout`).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ..planning.buckets import DEFAULT_BUCKET_CAP_MB
 from ..engine.guard import NonFiniteGuard
 from .launch import init_distributed, pick_backend
-from . import checkpointing
+from . import run_checkpoints
 from .faults import Faults
 from .methods import ActivationMeter, DDPMethod, FSDPMethod, SDPMethod, peak_rss_bytes
 from .stochastic_depth import StochasticDepth
@@ -91,7 +91,7 @@ def run_worker(args: Namespace) -> dict | None:
 
     start, history = 0, {"step": [], "loss": [], "eval": [], "skipped": []}
     if args.resume:
-        resumed = checkpointing.resume(args, method, optimizer)
+        resumed = run_checkpoints.resume(args, method, optimizer)
         if resumed is not None:
             start, history = resumed
             if stochastic is not None:  # the draws of the steps the resumed run has yet to take
@@ -106,7 +106,7 @@ def run_worker(args: Namespace) -> dict | None:
     # A run resumed from its own final checkpoint (e.g. restarted after it) evaluates again: one entry.
     history["eval"] = [e for e in history["eval"] if e["step"] != args.steps] + [{"step": args.steps, **final}]
     if args.save_dir:
-        checkpointing.save(args.save_dir, args.steps, method, optimizer, history, args, final=True)
+        run_checkpoints.save(args.save_dir, args.steps, method, optimizer, history, args, final=True)
     local = {
         "rank": rank,
         **measured,
@@ -168,7 +168,7 @@ def _train(args, task, method, optimizer, history, start, device, rank) -> dict 
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
             history["eval"].append({"step": step + 1, **evaluate(method, task, device)})
         if args.save_dir and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
-            checkpointing.save(args.save_dir, step + 1, method, optimizer, history, args)
+            run_checkpoints.save(args.save_dir, step + 1, method, optimizer, history, args)
         if args.stop_after and step + 1 - start >= args.stop_after:
             progress.close()
             return None

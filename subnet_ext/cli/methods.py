@@ -240,7 +240,7 @@ class FSDPMethod(Method):
 
     def no_sync(self):
         """Accumulate gradients without reduce-scattering them (FSDP2's gradient-sync switch)."""
-        from ..engine.sharding import fsdp_no_sync
+        from ..engine.shared_shards import fsdp_no_sync
 
         return fsdp_no_sync(self.module)
 

@@ -26,7 +26,7 @@ import types
 import torch
 import torch.nn as nn
 
-from .checkpointing import stream_seed
+from .run_checkpoints import stream_seed
 
 
 def residual_branches(model: nn.Module) -> dict[str, tuple[str, ...]]:

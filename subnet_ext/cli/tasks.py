@@ -13,8 +13,8 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from ..data.sharding import ShardedBatches
-from .checkpointing import stream_seed
+from ..data.rank_batches import ShardedBatches
+from .run_checkpoints import stream_seed
 from ..models.registry import build_model
 
 

@@ -24,7 +24,7 @@ from ..planning.plan import SubnetPlan
 from ..planning.sharding import communicated_pieces
 from ..state.layout import RankLayout
 from .config import SDPConfig
-from .setup import gradient_reduction
+from .wrapping import gradient_reduction
 
 
 @dataclass

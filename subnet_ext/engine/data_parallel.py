@@ -17,7 +17,7 @@ the copies of units this rank does not own; between them those copies keep their
 refreshed values and the full forward uses them. All of these issue
 collectives in one global order, so they cannot deadlock.
 
-With shard_shared=True (sharding.py) the plan's shared parameters are DTensor shards
+With shard_shared=True (shared_shards.py) the plan's shared parameters are DTensor shards
 managed by torch's FSDP2 (all-gathered before the forward and kept until the end of the
 backward, gradients reduce-scattered as the mean over the world, optimizer state sharded);
 the buckets then hold the units only. Not with simulate_rank, sync_every > 1 or close().
@@ -35,7 +35,7 @@ from ..comm.call_check import CallLedger, collective_method
 from ..planning.pieces import global_pieces
 from ..planning.plan import SubnetPlan, model_fingerprint
 from ..state import consistency, full_optim_state
-from ..state.aliases import with_aliases, without_aliases
+from ..state.tied_exports import with_aliases, without_aliases
 from ..state.assembly import assemble, load_pieces
 from ..state.layout import RankLayout
 from . import clipping, evaluation, guard, reports
@@ -48,9 +48,9 @@ from .optimizer_guard import OptimizerGuard
 from .phase import Phase
 from .residual_scale import check_residual_scale, scale_full_state
 from .restore import meta_skeleton, restore_structure
-from .setup import (broadcast_initial_state, check_placement, check_world, refuse_if_simulated, weak_call,
+from .wrapping import (broadcast_initial_state, check_placement, check_world, refuse_if_simulated, weak_call,
                     world_and_rank)
-from .sharding import SharedShards
+from .shared_shards import SharedShards
 from .state_dict_guard import install_state_dict_guard
 from .module_swaps import ModuleSwaps
 from .owned_linear import attach_direct_gradients
@@ -310,7 +310,7 @@ class SubnetDataParallel(DDPInterface, EngineParts, nn.Module):
         (one all-reduce); "subnetwork": this rank's own. With `loss_fn(output, *targets)` ->
         scalar also "loss": {"full": 0-d, "ensemble": 0-d (of the averaged output),
         "subnetworks": [K], rank r's own at r (NaN for ranks a simulated engine lacks)}.
-        residual_scale: of "full", as full_state_dict's. Collective; eval mode, restored. See evaluation.py."""
+        residual_scale: of "full", as full_state_dict's. Collective; eval mode, restored. See engine/evaluation.py."""
         self._check_open("evaluate")
         check_residual_scale(residual_scale)
         if "full" in evaluation.check_request(modes, loss_fn, targets)[0]:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..comm.collectives import describe_group
-from ..state.aliases import with_aliases, without_aliases
+from ..state.tied_exports import with_aliases, without_aliases
 from ..state.full_gather import FullEntry, sum_gather
 from ..state.layout import RankLayout, as_2d
 from . import evaluation

@@ -11,7 +11,7 @@ from ..comm.call_check import CallLedger
 from ..comm.communicator import Communicator
 from ..comm.refresh import CopyRefresher
 from ..state.layout import RankLayout
-from .sharding import SharedShards
+from .shared_shards import SharedShards
 
 
 class EngineParts:

@@ -22,7 +22,7 @@ import torch.utils._pytree as pytree
 
 from ..comm import collectives
 from ..planning.model_copy import copy_model
-from ..state.aliases import retie, without_aliases
+from ..state.tied_exports import retie, without_aliases
 
 MODES = ("full", "ensemble", "subnetwork")
 

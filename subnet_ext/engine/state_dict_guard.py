@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from ..state.aliases import with_aliases
+from ..state.tied_exports import with_aliases
 
 
 class PartialStateError(RuntimeError):

@@ -10,7 +10,7 @@ A layer above the engine and below the command line (docs/architecture.md). Impo
 `subnet_ext` or this package imports neither Lightning nor transformers: each framework
 is imported by its own module (`lightning.py`, `huggingface.py`), only when that module
 is. What both share is torch-only: the options (`options.py`: coverage, level, plan,
-engine config, evaluation mode) and the evaluated models (`evaluation.py`: the full model
+engine config, evaluation mode) and the evaluated models (`subnetwork_ensemble.py`: the full model
 and the ensemble of the ranks' subnetworks). See docs/integrations.md.
 """
 from .options import EVALUATIONS, SDPOptions

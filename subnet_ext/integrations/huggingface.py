@@ -43,7 +43,7 @@ from transformers import Trainer  # noqa: E402
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME  # noqa: E402
 
 from ..engine.data_parallel import SubnetDataParallel  # noqa: E402
-from .evaluation import SubnetworkEnsemble  # noqa: E402
+from .subnetwork_ensemble import SubnetworkEnsemble  # noqa: E402
 from .loss_scaling import agreed_scaler  # noqa: E402
 from .options import SDPOptions  # noqa: E402
 

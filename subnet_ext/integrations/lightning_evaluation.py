@@ -10,7 +10,7 @@ out after it:
   own tensors are those of the full model (the union of the subnetworks), assembled once
   per evaluation run with the engine's collective `full_model()`;
 - "ensemble": as "full", and the module's own forward (`self(...)`) returns the mean of the
-  K subnetworks' outputs (integrations/evaluation.py). Submodules called directly
+  K subnetworks' outputs (integrations/subnetwork_ensemble.py). Submodules called directly
   (`self.net(x)`) run the full model.
 
 Outside `fit` the module is the plain model (never wrapped, or given back when fitting
@@ -25,7 +25,7 @@ import torch.nn as nn
 from ..engine.config import SDPConfig
 from ..engine.data_parallel import SubnetDataParallel
 from ..planning.plan import SubnetPlan
-from .evaluation import SubnetworkEnsemble
+from .subnetwork_ensemble import SubnetworkEnsemble
 
 
 class EvaluatedModel:

@@ -4,7 +4,7 @@
 names for one tensor, while model.named_parameters() lists it once. The plan keeps the
 first name (the canonical one) and records the later ones as aliases: one tensor, one set
 of owners, one piece list, averaged once; aliases get no pieces and are never
-communicated. Exports write each alias beside its canonical name (state/aliases.py).
+communicated. Exports write each alias beside its canonical name (state/tied_exports.py).
 """
 from __future__ import annotations
 

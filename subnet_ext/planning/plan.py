@@ -87,7 +87,7 @@ class SubnetPlan:
         self.shared: list[str] = shared
         # Tied weights: an alias is a state-dict name for the same tensor as an earlier name.
         # It gets no pieces, no owners and no communication; exports write it beside its
-        # canonical name (state/aliases.py). tensor_shapes/dtypes list canonical names only;
+        # canonical name (state/tied_exports.py). tensor_shapes/dtypes list canonical names only;
         # the whole state dict's order stays in _entries (fingerprint, JSON).
         self.aliases: dict = dict(aliases or {})
         self._entries = [(k, tuple(v), tensor_dtypes[k]) for k, v in tensor_shapes.items()]

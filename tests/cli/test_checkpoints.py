@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from subnet_ext import checkpoint as ck
-from subnet_ext.state import checkpoint as layer_checkpoint
-from subnet_ext.state.manifest import MANIFEST, read_manifest
+from subnet_ext.state import checkpoint_store as layer_checkpoint
+from subnet_ext.state.checkpoint_manifest import MANIFEST, read_manifest
 from subnet_ext.cli.train import build_parser, check_args, main
-from subnet_ext.cli.checkpointing import load_full_model_state
+from subnet_ext.cli.run_checkpoints import load_full_model_state
 
 TINY = ["--model", "mlp", "--width", "16", "--data", "digits", "--batch-size", "16", "--method", "sdp"]
 

@@ -15,8 +15,8 @@ import torch
 
 from subnet_ext.cli.launch import free_port
 from subnet_ext.cli.train import main
-from subnet_ext.cli.checkpointing import load_full_model_state
-from subnet_ext.state.checkpoint import read_state, state_metadata
+from subnet_ext.cli.run_checkpoints import load_full_model_state
+from subnet_ext.state.checkpoint_store import read_state, state_metadata
 
 TINY = ["--model", "mlp", "--width", "16", "--data", "digits", "--batch-size", "16", "--method", "sdp"]
 

@@ -22,7 +22,7 @@ from subnet_ext.integrations.options import options_from  # noqa: E402
 
 def test_importing_subnet_ext_imports_no_framework():
     code = ("import sys, subnet_ext, subnet_ext.integrations, subnet_ext.integrations.options, "
-            "subnet_ext.integrations.evaluation; print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "subnet_ext.integrations.subnetwork_ensemble; print(sorted(m for m in sys.modules if m.split('.')[0] in "
             "('lightning', 'pytorch_lightning', 'transformers', 'accelerate')))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -31,6 +31,10 @@ ENGINE_NAMES = {"sdp", "engine"}  # parameter names that say "the whole engine"
 # fails, and fixing one fails until it is removed from here.
 KNOWN_CYCLES = []
 KNOWN_LONG_FUNCTIONS = []
+# File names two modules may share, each with why. cli/ names its command modules after the
+# command (`subnet-plan` is cli/plan.py, as `subnet-train` is cli/train.py), and a plan is what
+# planning/plan.py defines: both names say what the file holds, in the package that holds it.
+SHARED_FILE_NAMES = {"plan.py": ("cli/plan.py", "planning/plan.py")}
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -265,7 +269,32 @@ def test_module_and_function_sizes():
     assert sorted(m for n, s in sources.items() for m in long_functions(n, s)) == KNOWN_LONG_FUNCTIONS
 
 
+def shared_file_names(root: pathlib.Path = ROOT) -> dict:
+    """{file name: (its paths under root, sorted)} for each name two or more modules share
+    (__init__.py aside): a name that says "sharding" or "checkpoint" in two packages with two
+    meanings makes a reader open the wrong one."""
+    by_name = {}
+    for path in sorted(root.rglob("*.py")):
+        if path.name != "__init__.py":
+            by_name.setdefault(path.name, []).append(path.relative_to(root).as_posix())
+    return {name: tuple(paths) for name, paths in by_name.items() if len(paths) > 1}
+
+
+def test_no_two_modules_share_a_file_name():
+    assert shared_file_names() == SHARED_FILE_NAMES, (
+        "modules sharing a file name (rename one so each name says what it holds, or add the pair to "
+        f"SHARED_FILE_NAMES with why): {shared_file_names()}")
+
+
 # ----------------------------------------------------------------------------- the checker
+def test_the_file_name_check_finds_a_shared_name(tmp_path):
+    for path in ("engine/sharding.py", "planning/sharding.py", "engine/__init__.py", "planning/__init__.py",
+                 "state/layout.py"):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("")
+    assert shared_file_names(tmp_path) == {"sharding.py": ("engine/sharding.py", "planning/sharding.py")}
+
+
 def test_checker_catches_violations():
     synthetic = {
         "subnet_ext.ops.a": {"subnet_ext.state.b"},          # up two layers

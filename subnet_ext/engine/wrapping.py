@@ -11,7 +11,7 @@ from ..comm.hooks.cast import CastCompressHook
 from ..comm.reduction import AllReduce, HookReduction, Reduction
 from ..planning.plan import SubnetPlan
 from .config import SDPConfig
-from .sharding import check_shard_shared
+from .shared_shards import check_shard_shared
 
 
 def world_and_rank(plan: SubnetPlan, process_group, simulate_rank) -> tuple[int, int]:

@@ -6,13 +6,13 @@
 
 The engine's part is small: it checks that every rank makes the call at the same point
 (its call ledger), puts FSDP2's shards back, and hands its rank layout and process group
-to state/checkpoint.py, which writes and reads the pieces in full-model coordinates
+to state/checkpoint_store.py, which writes and reads the pieces in full-model coordinates
 (atomic, verified, sharded by torch.distributed.checkpoint). That module's public names
 (find_checkpoint, verify_checkpoint, CheckpointError, ...) are re-exported here.
 """
 from __future__ import annotations
 
-from ..state.checkpoint import (LATEST, STATE, CheckpointError, CheckpointWriteError, find_checkpoint,  # noqa: F401
+from ..state.checkpoint_store import (LATEST, STATE, CheckpointError, CheckpointWriteError, find_checkpoint,  # noqa: F401
                                 list_checkpoints, load_layout_checkpoint, prune, read_state, save_checkpoint,
                                 save_layout_checkpoint, state_metadata, step_dir, verify_checkpoint)
 from .data_parallel import SubnetDataParallel

@@ -1,6 +1,6 @@
 """Checkpoints of a `subnet-train` run: what is saved for each method, and resuming.
 
-Layout (see subnet_ext/checkpoint.py for the atomic commit and the checks):
+Layout (see subnet_ext/engine/subnet_checkpoint.py and state/checkpoint_store.py for the atomic commit and the checks):
   step-000120/state/           torch.distributed.checkpoint files, one per rank + .metadata
   step-000120/manifest.json    step, run identity, plan, history, optimizer settings, each
                                rank's RNG state, every file's size and SHA-256
@@ -21,8 +21,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from ..engine.checkpoint import load_subnet_checkpoint, save_subnet_checkpoint
-from ..state.checkpoint import (CheckpointError, CheckpointWriteError, find_checkpoint, list_checkpoints, read_state,
+from ..engine.subnet_checkpoint import load_subnet_checkpoint, save_subnet_checkpoint
+from ..state.checkpoint_store import (CheckpointError, CheckpointWriteError, find_checkpoint, list_checkpoints, read_state,
                                 save_checkpoint, state_metadata)
 
 # What must match for a resume; SDP may change world size, coverage, level, regime and
@@ -156,7 +156,7 @@ def resume(args, method, optimizer) -> tuple[int, dict] | None:
 def load_full_model_state(folder: str) -> dict:
     """The full model's state dict (original names and shapes) from a checkpoint of any
     method, in this process alone (no process group needed). Verifies the checksums."""
-    from ..state.checkpoint import verify_checkpoint
+    from ..state.checkpoint_store import verify_checkpoint
 
     if dist.is_initialized():
         raise RuntimeError("load_full_model_state reads a checkpoint in one process; call it outside a process group")

@@ -26,9 +26,9 @@ import warnings
 
 import torch.distributed as dist
 
-from .manifest import (MANIFEST, CorruptCheckpoint, check_files, file_digest, fsync_dir, list_files, read_manifest,
+from .checkpoint_manifest import (MANIFEST, CorruptCheckpoint, check_files, file_digest, fsync_dir, list_files, read_manifest,
                        write_manifest)
-from .manifest import atomic_write as _atomic_write
+from .checkpoint_manifest import atomic_write as _atomic_write
 from .layout import RankLayout
 
 LATEST = "LATEST"

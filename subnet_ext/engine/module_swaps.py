@@ -8,8 +8,13 @@ user's module: the user's module keeps its class, its `forward` and its attribut
 
 A replacement registers the user's unsliced parameters and buffers under their own names
 (`adopt_tensors`), so `named_parameters()` and state-dict names do not move with the swap.
+A layer the engine has no class for (a norm, a grouped convolution) is replaced by its `twin`:
+the same class and tensors, but registries of its own, so what the surgery changes on the twin
+(owned views, a pre-hook) never reaches the user's module.
 """
 from __future__ import annotations
+
+import copy
 
 import torch.nn as nn
 
@@ -24,6 +29,17 @@ def adopt_tensors(replacement: nn.Module, original: nn.Module, skip=()) -> None:
         if name not in skip:
             replacement.register_buffer(name, buffer, persistent=name not in original._non_persistent_buffers_set)
     replacement.train(original.training)
+
+
+def twin(module: nn.Module) -> nn.Module:
+    """A shallow copy of `module`: the same class, attributes, tensors and submodules, with its own
+    registries (parameters, buffers, submodules, hooks: every dict and set in its __dict__), so
+    registering or removing on the twin leaves `module` as it was."""
+    twin_module = copy.copy(module)
+    for key, value in vars(module).items():
+        if isinstance(value, (dict, set)):
+            twin_module.__dict__[key] = value.copy()
+    return twin_module
 
 
 class ModuleSwaps:
@@ -47,8 +63,10 @@ class ModuleSwaps:
         return original
 
     def undo(self) -> None:
-        """Put every original module back in its parents, last swap first."""
+        """Put every original module back in its parents, last swap first, in the train or eval
+        mode its replacement was left in (sdp.train()/eval() reached only the replacement)."""
         for parent, name, original in reversed(self._done):
+            original.train(parent._modules[name].training)
             parent._modules[name] = original
         self._done.clear()
 

@@ -1,10 +1,11 @@
 """Undo the model surgery: give the user back the model as it was before wrapping.
 
-surgery.py changes the user's modules in place: skipped blocks (SkippedBlock),
-compact Parameters, width and head-count attributes (forward regime), owned-slice Parameters,
-`*_full` buffers and instance attributes shadowing a parameter's name (the backward regime's
-generic path). The layers it swapped for its own (module_swaps.py) are put back by
-`ModuleSwaps.undo()` before this runs. `restore_structure` puts back,
+surgery.py changes the user's modules in place in the forward regime: skipped blocks
+(SkippedBlock), compact Parameters, width and head-count attributes; in the backward regime
+only Parameters' requires_grad (block level) and a sliced root module (owned-slice Parameters,
+`*_full` buffers, an instance attribute shadowing a parameter's name). The layers it swapped for
+its own (module_swaps.py: every other sliced layer of the backward regime, width-kept
+projections) are put back by `ModuleSwaps.undo()` before this runs. `restore_structure` puts back,
 module by module, what the engine's meta skeleton (a copy of the model taken before
 the surgery) says was there: the same submodule types, parameter and buffer names,
 shapes, dtypes, requires_grad and order, and the same width and head-count attributes. The values of

@@ -22,7 +22,7 @@ import torch.nn as nn
 from ..planning.pieces import Piece
 from ..planning.residual import skip_path
 from .head_check import check_sliced_heads
-from .module_swaps import ModuleSwaps
+from .module_swaps import ModuleSwaps, twin
 from .owned_conv import OwnedConv2d, conv_can_be_owned
 from .owned_linear import OwnedLinear
 from .owned_slices import OwnedLayer, own_slices
@@ -175,9 +175,10 @@ def _owned_layer(module: nn.Module, owned: dict, path: str, rank: int) -> OwnedL
 
 def prepare_backward(model: nn.Module, plan, pieces: list[Piece], rank: int, swaps: ModuleSwaps):
     """Backward regime, in place. Sliced Linear and Conv2d layers are replaced (`swaps`) by
-    OwnedLinear / OwnedConv2d holding their full tensors and owned views; other sliced layers
-    keep their module: their sliced tensors move to `{leaf}_full` buffers beside the owned
-    views, and a pre-hook assembles the tensor each forward (_AssembleOwned).
+    OwnedLinear / OwnedConv2d holding their full tensors and owned views; other sliced layers by
+    their twin (module_swaps.twin: the same class and tensors, registries of its own), on which
+    the sliced tensors move to `{leaf}_full` buffers beside the owned views and a pre-hook
+    assembles the tensor each forward (_AssembleOwned). The user's modules are left untouched.
 
     Returns:
         piece_params: {piece: Parameter} for the owned sliced pieces (views of the full tensors).
@@ -203,18 +204,21 @@ def prepare_backward(model: nn.Module, plan, pieces: list[Piece], rank: int, swa
             if rank in p.owners:
                 pieces_of_leaf.append(p)
         layer = _owned_layer(module, owned, path, rank)
+        generic = layer is None
+        if generic:  # the user's module stays as it was; its twin holds the owned views (a root: in place)
+            layer = twin(module) if path else module
         for leaf, (dim, pieces_of_leaf) in owned.items():
-            value_refs[f"{path}.{leaf}" if path else leaf] = (layer if layer is not None else module, leaf + "_full")
-            if layer is not None:  # the user's module keeps its Parameter; the layer holds a detached alias
+            value_refs[f"{path}.{leaf}" if path else leaf] = (layer, leaf + "_full")
+            if not generic:  # the user's module keeps its Parameter; the layer holds a detached alias
                 layer.own(leaf, getattr(module, leaf), dim, pieces_of_leaf, piece_params)
                 continue
-            full = module._parameters.pop(leaf)
-            runs = own_slices(module, leaf, full, pieces_of_leaf, piece_params)
+            full = layer._parameters.pop(leaf)
+            runs = own_slices(layer, leaf, full, pieces_of_leaf, piece_params)
             # A plain attribute under the tensor's name, so code reading e.g. norm.weight.shape keeps working.
-            object.__setattr__(module, leaf, module.get_buffer(leaf + "_full"))
+            object.__setattr__(layer, leaf, layer.get_buffer(leaf + "_full"))
             owned[leaf] = (dim, runs)
-        if layer is not None:
+        if layer is not module:
             swaps.swap(model, path, layer)
-        else:
-            handles.append(module.register_forward_pre_hook(_AssembleOwned(owned)))
+        if generic:
+            handles.append(layer.register_forward_pre_hook(_AssembleOwned(owned)))
     return piece_params, value_refs, handles

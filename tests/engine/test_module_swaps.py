@@ -1,7 +1,8 @@
 """The engine swaps its own layers in for the user's sliced layers, and close() swaps them back.
 
 Backward regime (neuron level): each sliced nn.Linear becomes an OwnedLinear, each plain sliced
-nn.Conv2d an OwnedConv2d; forward regime with width kept (forced on a small GPT): the head
+nn.Conv2d an OwnedConv2d, any other sliced layer (a norm) its twin (the same class and tensors,
+registries of its own); forward regime with width kept (forced on a small GPT): the head
 groups' projections become WidthKeptLinear. Checked, on a simulated rank of a 2-rank plan:
 
 - the layers at the sliced paths are the engine's types, and the user's layer objects (kept
@@ -54,22 +55,22 @@ def check_backward_swaps(model, owned_type) -> None:
     originals = dict(model.named_modules())
     before, values = user_view(model), {n: p.detach().clone() for n, p in model.named_parameters()}
     sdp = sx.SubnetDataParallel(model, plan, regime="backward", simulate_rank=0)
-    swapped = {path for path, m in model.named_modules() if isinstance(m, (OwnedLinear, OwnedConv2d))}
-    assert swapped and swapped <= sliced_paths(plan), (swapped, sliced_paths(plan))
+    swapped = {path for path, m in model.named_modules() if m is not originals.get(path)}
+    assert swapped == sliced_paths(plan), (swapped, sliced_paths(plan))
     assert any(isinstance(model.get_submodule(p), owned_type) for p in swapped), swapped
     for path in swapped:
         layer, original = model.get_submodule(path), originals[path]
-        assert layer is not original and type(original) in (nn.Linear, nn.Conv2d), path
         assert user_view(original)[""] == before[path], (path, user_view(original)[""], before[path])
         assert torch.equal(original.weight, values[path + ".weight"]) and original.weight.requires_grad, path
         assert layer.weight.shape == original.weight.shape and layer.weight.data_ptr() == original.weight.data_ptr()
-        names = [n for n, _ in layer.named_parameters()]
+        assert not original._forward_pre_hooks, path  # the engine's hooks sit on its own layers
+        names = [n for n, _ in layer.named_parameters(recurse=False)]
+        if not isinstance(layer, (OwnedLinear, OwnedConv2d)):  # a twin: the user's class, its own registries
+            assert type(layer) is type(original) and layer._parameters is not original._parameters, path
         owned = [n for n in names if n.startswith("weight_owned")]
         assert owned and set(names) - set(owned) <= {"bias", "bias_owned0", "bias_owned1"}, (path, names)
         if "bias" in names:
             assert layer.bias is original.bias, path  # an unsliced bias: the user's own Parameter
-    untouched = [p for p in before if not any(p == s or p.startswith(s + ".") for s in swapped)]
-    assert all(type(model.get_submodule(p)) is type(originals[p]) for p in untouched)
     assert sdp.layout.piece_params, "the owned views are the layout's piece parameters"
 
 

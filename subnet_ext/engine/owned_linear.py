@@ -154,11 +154,15 @@ class OwnedLinear(OwnedLayer):
         self.direct: list[DirectGradient | None] = []
         self._use_count_ref = None  # weakref to this forward's _UseCount
 
+    def own(self, leaf: str, full: torch.Tensor, dim: int, owned: list[Piece], piece_params: dict) -> None:
+        """OwnedLayer.own; the weight's runs start without a direct gradient (returned to autograd)."""
+        super().own(leaf, full, dim, owned, piece_params)
+        if leaf == "weight":
+            self.direct = [None] * len(self.runs["weight"])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The full layer's output; the backward trains the owned runs only."""
         runs = self.runs["weight"]
-        if len(self.direct) != len(runs):
-            self.direct = [None] * len(runs)
         sliced_bias = "bias" in self.runs
         inputs = OwnedLinearInputs(dim=self.dims["weight"], runs=tuple((r.start, r.length) for r in runs),
                                    direct=tuple(self.direct), sliced_bias=sliced_bias, use_count=self._use_count())

@@ -69,6 +69,3 @@ class ModuleSwaps:
             original.train(parent._modules[name].training)
             parent._modules[name] = original
         self._done.clear()
-
-    def __len__(self) -> int:
-        return len(self._done)

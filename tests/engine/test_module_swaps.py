@@ -25,6 +25,7 @@ import torch.nn as nn
 import subnet_ext as sx
 from sdp_helpers import batch, make_model, train
 from subnet_ext.engine import surgery
+from subnet_ext.engine.module_swaps import ModuleSwaps, twin
 from subnet_ext.engine.owned_conv import OwnedConv2d
 from subnet_ext.engine.owned_linear import OwnedLinear
 from subnet_ext.engine.width_keeping import WidthKeptLinear
@@ -48,6 +49,25 @@ def user_view(model) -> dict:
     """{path: (instance attribute names, {parameter name: id})} of every module, as the user sees it."""
     return {path: (sorted(vars(m)), {n: id(p) for n, p in m._parameters.items()})
             for path, m in model.named_modules()}
+
+
+def test_swaps_reach_every_parent_and_undo_restores_objects_and_mode():
+    """A layer shared by two parents is replaced in both; a twin's registries are its own;
+    undo() puts the original objects back, in the mode the replacements were left in."""
+    shared, norm = nn.Linear(3, 3), nn.LayerNorm(3)
+    model = nn.Sequential(nn.Sequential(shared, norm), nn.Sequential(shared))
+    swaps, norm_twin = ModuleSwaps(), twin(norm)
+    norm_twin._parameters.pop("weight")
+    norm_twin.register_forward_pre_hook(lambda m, args: None)
+    assert "weight" in norm._parameters and not norm._forward_pre_hooks and norm_twin.bias is norm.bias
+    replacement = nn.Identity()
+    swaps.swap(model, "0.0", replacement)
+    swaps.swap(model, "0.1", norm_twin)
+    assert model[0][0] is replacement and model[1][0] is replacement and model[0][1] is norm_twin
+    model.eval()
+    swaps.undo()
+    assert model[0][0] is shared and model[1][0] is shared and model[0][1] is norm
+    assert not shared.training and not norm.training
 
 
 def check_backward_swaps(model, owned_type) -> None:

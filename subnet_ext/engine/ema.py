@@ -120,7 +120,7 @@ class ExponentialMovingAverage(nn.Module):
         """The averaged model's state dict, original names and shapes (ties kept), assembled as
         full_state_dict() assembles the model's. Collective; options as full_state_dict's."""
         engine = self._engine
-        with engine._call_ledger.collective("ExponentialMovingAverage.full_state_dict"):
+        with engine.call_ledger.collective("ExponentialMovingAverage.full_state_dict"):
             layout, group = engine._state_access("ExponentialMovingAverage.full_state_dict")
             engine._refuse_if_simulated("ExponentialMovingAverage.full_state_dict")
             written = {key: average for key, average in self._averages.items() if key in self._writes}
@@ -168,7 +168,7 @@ class ExponentialMovingAverage(nn.Module):
     def full_model(self) -> nn.Module:
         """A new model (the original class) holding the averaged values. Collective."""
         engine = self._engine
-        with engine._call_ledger.collective("ExponentialMovingAverage.full_model"):
+        with engine.call_ledger.collective("ExponentialMovingAverage.full_model"):
             return evaluation.full_model(engine._skeleton, engine.plan, self.full_state_dict())
 
     @property

@@ -27,7 +27,7 @@ def save_subnet_checkpoint(save_dir: str, step: int, sdp: SubnetDataParallel, op
     The manifest also holds the plan, so `load_subnet_checkpoint` works on any plan of the
     same model (another world size, coverage, level or regime). See
     state/checkpoint.save_checkpoint for `manifest`, `keep_last`, `extra_files`, `per_rank`."""
-    with sdp._call_ledger.collective("save_subnet_checkpoint"):  # every rank, in the order of its collectives
+    with sdp.call_ledger.collective("save_subnet_checkpoint"):  # every rank, in the order of its collectives
         layout, group = sdp._state_access("save_subnet_checkpoint")
         return save_layout_checkpoint(save_dir, step, layout, optimizer, manifest, group=group, keep_last=keep_last,
                                       extra_files=extra_files, per_rank=per_rank)
@@ -43,6 +43,6 @@ def load_subnet_checkpoint(path: str, sdp: SubnetDataParallel, optimizer=None, *
     Raises:
         CheckpointError: no good checkpoint. ValueError: a checkpoint of another model.
     """
-    with sdp._call_ledger.collective("load_subnet_checkpoint"):
+    with sdp.call_ledger.collective("load_subnet_checkpoint"):
         layout, group = sdp._state_access("load_subnet_checkpoint")
         return load_layout_checkpoint(path, layout, optimizer, group=group, verified_manifest=verified_manifest)

@@ -33,12 +33,16 @@ def adopt_tensors(replacement: nn.Module, original: nn.Module, skip=()) -> None:
 
 def twin(module: nn.Module) -> nn.Module:
     """A shallow copy of `module`: the same class, attributes, tensors and submodules, with its own
-    registries (parameters, buffers, submodules, hooks: every dict and set in its __dict__), so
-    registering or removing on the twin leaves `module` as it was."""
+    registries (parameters, buffers, submodules, hooks: every dict and set in its __dict__) and its
+    instance methods bound to itself, so registering or removing on the twin leaves `module` as
+    it was and the twin computes with what it holds."""
     twin_module = copy.copy(module)
     for key, value in vars(module).items():
         if isinstance(value, (dict, set)):
             twin_module.__dict__[key] = value.copy()
+        elif getattr(value, "__self__", None) is module and hasattr(value, "__func__"):
+            # A method bound to the module in its __dict__ (e.g. a patched forward) must run on the twin.
+            twin_module.__dict__[key] = value.__func__.__get__(twin_module, type(module))
     return twin_module
 
 

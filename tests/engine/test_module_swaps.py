@@ -60,6 +60,8 @@ def test_swaps_reach_every_parent_and_undo_restores_objects_and_mode():
     norm_twin._parameters.pop("weight")
     norm_twin.register_forward_pre_hook(lambda m, args: None)
     assert "weight" in norm._parameters and not norm._forward_pre_hooks and norm_twin.bias is norm.bias
+    norm.forward = nn.LayerNorm.forward.__get__(norm)  # an instance forward (a user's patch) runs on the twin
+    assert twin(norm).forward.__self__ is not norm
     replacement = nn.Identity()
     swaps.swap(model, "0.0", replacement)
     swaps.swap(model, "0.1", norm_twin)

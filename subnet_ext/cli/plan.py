@@ -18,7 +18,8 @@ import torch
 import torch.nn as nn
 
 from ..planning.costs import choose_strategy, predicted_comm
-from ..planning.sharding import predicted_fsdp_comm, predicted_sharded_model_state
+from ..planning.memory_model import model_state, replicated_model_state
+from ..planning.sharding import predicted_fsdp_comm
 from ..models import GPT_PRESETS, LLAMA_PRESETS, build_model
 from ..planning.plan import plan_subnetworks
 
@@ -71,12 +72,17 @@ def sample_input_for(model_name: str, model: nn.Module, seq_len: int = 64, data:
     raise ValueError(f"no sample input known for model {model_name!r}; expected llama, gpt, mlp, plain_mlp or resnet")
 
 
+def _state(plan, rank: int, regime: str, shard_shared: bool = False) -> float:
+    """The memory model's model-state bytes of `rank` (AdamW)."""
+    return float(sum(model_state(plan, rank, regime, "adamw", shard_shared).values()))
+
+
 def sharded_row(plan, regime: str, strategy: str) -> tuple:
     """(label, model state, ring bytes, collectives) of SDP with shard_shared: units as SDP,
     shared / K x (params + grads + AdamW), FSDP2's all-gather + reduce-scatter of the
     shared part ((K-1)/K of the full buffer moved per rank each)."""
     k = plan.world_size
-    state = max(predicted_sharded_model_state(plan, r, regime) for r in range(k))
+    state = max(_state(plan, r, regime, shard_shared=True) for r in range(k))
     units = [predicted_comm(plan, r, strategy, regime, shard_shared=True) for r in range(k)]
     fsdp = predicted_fsdp_comm(plan)
     ring = max(c["ring_bytes"] for c in units) + (k - 1) / k * fsdp["bytes"]
@@ -89,12 +95,11 @@ def cost_table(plan, regime: str, shard_shared: bool = False) -> str:
     (and SDP with sharded shared parameters when `shard_shared`)."""
     k, full = plan.world_size, plan.full_bytes
     strategy, _ = choose_strategy(plan)
-    sdp_state = max(float(plan.bytes_per_rank[r]) * (4 if regime == "forward" else 3) +
-                    (full if regime == "backward" else 0) for r in range(k))
+    sdp_state = max(_state(plan, r, regime) for r in range(k))
     sdp_comm = [predicted_comm(plan, r, strategy, regime) for r in range(k)]
     rows = [
-        ("ddp", 4 * full, 2 * (k - 1) / k * full, "per bucket"),
-        ("fsdp", 4 * full / k, 3 * (k - 1) / k * full, "3 per layer"),
+        ("ddp", replicated_model_state(plan), 2 * (k - 1) / k * full, "per bucket"),
+        ("fsdp", replicated_model_state(plan, world_size=k), 3 * (k - 1) / k * full, "3 per layer"),
         (f"sdp ({plan.level}, {regime}, C={plan.coverage:g}, {strategy})", sdp_state,
          max(c["ring_bytes"] for c in sdp_comm), max(c["collectives"] for c in sdp_comm)),
     ]

@@ -44,15 +44,18 @@ REGIMES = ("forward", "backward")
 _MOMENTS = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1}
 
 
-def optimizer_moments(optimizer="adamw") -> int:
+def optimizer_moments(optimizer="adamw") -> float:
     """Optimizer-state tensors per parameter, each of the parameter's size and dtype.
 
     optimizer: "adamw", "adam", "sgd" (no momentum), "sgd_momentum", a torch.optim.Optimizer
-    instance (SGD's momentum read from its first param group) or class (SGD: no momentum).
+    instance (SGD's momentum read from its first param group) or class (SGD: no momentum),
+    or a number: the tensors per parameter itself (e.g. 2.0).
 
     Raises:
         ValueError: an optimizer this model does not know.
     """
+    if isinstance(optimizer, (int, float)) and not isinstance(optimizer, bool) and optimizer >= 0:
+        return optimizer
     if isinstance(optimizer, torch.optim.Optimizer):
         if isinstance(optimizer, torch.optim.SGD):
             return 1 if optimizer.param_groups[0].get("momentum", 0) else 0
@@ -82,6 +85,12 @@ def model_state(plan, rank: int, regime: str = "forward", optimizer="adamw", sha
         cut = _shared_param_bytes(plan) - shard_bytes(plan, rank)
         owned, params = owned - cut, params - cut
     return {"parameters": params, "gradients": owned, "optimizer_state": optimizer_moments(optimizer) * owned}
+
+
+def replicated_model_state(plan, optimizer="adamw", world_size: int = 1) -> float:
+    """Model-state bytes per rank of the whole model replicated (DDP; world_size=1) or sharded
+    evenly over `world_size` ranks (FSDP): parameters + gradients + optimizer state."""
+    return plan.full_bytes * (2 + optimizer_moments(optimizer)) / world_size
 
 
 def _largest_bucket(plan, rank: int, shard_shared: bool, bucket_cap_bytes: float) -> float:

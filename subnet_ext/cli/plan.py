@@ -21,7 +21,9 @@ from ..planning.costs import choose_strategy, predicted_comm
 from ..planning.memory_model import model_state, replicated_model_state
 from ..planning.sharding import predicted_fsdp_comm
 from ..models import GPT_PRESETS, LLAMA_PRESETS, build_model
+from ..planning.budget import NoConfigurationFits, plan_for_memory
 from ..planning.plan import plan_subnetworks
+from ..planning.sizes import format_size, parse_size
 
 MIB = 2 ** 20
 
@@ -41,9 +43,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--seq-len", type=int, default=64, help="llama, gpt: tokens in the traced sample (FLOPs)")
     p.add_argument("--json", default=None, help="also write the plan as JSON to this path")
+    p.add_argument("--memory-budget", type=_budget, default=None, metavar="SIZE",
+                   help="per-rank memory budget, e.g. 8GiB, 512MiB, 1.5GB: choose level, coverage, regime, sharding "
+                        "and activation checkpointing that fit it (subnet_ext.plan_for_memory; --coverage, --level "
+                        "and --regime are then chosen, not read), printing every candidate's predicted peak")
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="samples per rank in the traced batch (activations in --memory-budget's predictions)")
+    p.add_argument("--optimizer", choices=("adamw", "sgd", "sgd_momentum"), default="adamw",
+                   help="optimizer whose state --memory-budget counts")
     p.add_argument("--shard-shared", action="store_true",
                    help="also predict SDP with the shared parameters sharded by FSDP2 (SubnetDataParallel shard_shared)")
     return p
+
+
+def _budget(text: str) -> int:
+    """argparse type of --memory-budget: bytes, or argparse's error naming the bad size."""
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def fit_budget(args, model) -> tuple:
+    """(plan, regime) plan_for_memory chooses for --memory-budget (its table printed), or
+    (None, None) after printing why nothing fits to stderr."""
+    shape, dtype = sample_input_for(args.model, model, args.seq_len)
+    sample = ((args.batch_size, *shape[1:]), dtype)
+    print(f"Fitting {format_size(args.memory_budget)} per rank, {args.world_size} ranks, batch {list(sample[0])} "
+          f"per rank, {args.optimizer}:\n")
+    try:
+        fit = plan_for_memory(model, args.world_size, args.memory_budget, sample_input=sample,
+                              optimizer=args.optimizer, seed=args.seed)
+    except NoConfigurationFits as e:
+        print(f"subnet-plan: {e}", file=sys.stderr)
+        return None, None
+    print(f"SubnetDataParallel(model, plan, regime={fit.sdp_kwargs['regime']!r}, "
+          f"shard_shared={fit.sdp_kwargs['shard_shared']}); activation checkpointing: "
+          f"{'yes (--activation-checkpointing)' if fit.activation_checkpointing else 'no'}\n")
+    return fit.plan, fit.sdp_kwargs["regime"]
 
 
 def sample_input_for(model_name: str, model: nn.Module, seq_len: int = 64, data: str | None = None):
@@ -129,8 +166,15 @@ def main(argv=None) -> int:
     try:
         with torch.device("meta"):
             model = build_model(args.model, preset=args.preset, **kw)
-        plan = plan_subnetworks(model, args.world_size, args.coverage, args.level, args.seed,
-                                sample_input=sample_input_for(args.model, model, args.seq_len))
+        if args.memory_budget is not None:
+            if args.batch_size < 1:
+                parser.error(f"--batch-size must be at least 1, got {args.batch_size}")
+            plan, args.regime = fit_budget(args, model)
+            if plan is None:
+                return 1
+        else:
+            plan = plan_subnetworks(model, args.world_size, args.coverage, args.level, args.seed,
+                                    sample_input=sample_input_for(args.model, model, args.seq_len))
     except ValueError as e:
         parser.error(str(e))
     n = sum(p.numel() for p in model.parameters())

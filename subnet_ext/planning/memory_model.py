@@ -93,12 +93,15 @@ def replicated_model_state(plan, optimizer="adamw", world_size: int = 1) -> floa
     return plan.full_bytes * (2 + optimizer_moments(optimizer)) / world_size
 
 
-def _largest_bucket(plan, rank: int, shard_shared: bool, bucket_cap_bytes: float) -> float:
+def _buckets(plan, rank: int, shard_shared: bool, bucket_cap_bytes: float) -> tuple[float, float]:
+    """(bytes of every bucket buffer `rank` fills, bytes of its largest): the buffers are kept
+    between steps; a zero-filled bucket spans pieces the rank does not hold (comm/averaging.py)."""
     if plan.world_size == 1:
-        return 0.0
+        return 0.0, 0.0
     strategy, _ = choose_strategy(plan, shard_shared=shard_shared, bucket_cap_bytes=bucket_cap_bytes)
     buckets = build_buckets(plan, communicated_pieces(plan, shard_shared), strategy, bucket_cap_bytes)
-    return float(max((b.nbytes for b in buckets if rank in b.owners), default=0))
+    sizes = [float(b.nbytes) for b in buckets if rank in b.owners]
+    return sum(sizes), max(sizes, default=0.0)
 
 
 def _largest_param(plan, rank: int, regime: str) -> float:
@@ -142,11 +145,13 @@ def activations(plan, rank: int, trace: ActivationTrace, regime: str = "forward"
     return outside + sum(trace.block_inputs[p] * r for p, r in runs.items()), recomputed
 
 
-def _persistent_extras(plan, rank: int, regime: str, shard_shared: bool) -> float:
-    """Bytes the engine keeps besides model state: the backward regime's refresh buffer, the
-    neuron-level forward regime's gathered weights, FSDP2's gathered shared parameters."""
+def _persistent_extras(plan, rank: int, regime: str, shard_shared: bool, buckets: float, gradients: float) -> float:
+    """Bytes the engine keeps besides model state: bucket buffers beyond the gradients they hold
+    (zero-filled buckets), the backward regime's refresh buffer, the neuron-level forward
+    regime's gathered weights, FSDP2's gathered shared parameters."""
+    extra = max(0.0, buckets - gradients)
     # The refresh buffer holds the pieces of the units this rank does not own (comm/refresh.py).
-    extra = plan.full_bytes - float(plan.bytes_per_rank[rank]) if regime == "backward" else 0.0
+    extra += plan.full_bytes - float(plan.bytes_per_rank[rank]) if regime == "backward" else 0.0
     if regime == "forward" and plan.level == "neuron":
         extra += float(plan.owners[rank].double() @ plan.unit_bytes)
     if shard_shared:
@@ -171,12 +176,13 @@ def predict_step_memory(plan, rank: int, trace: ActivationTrace | None = None, r
     """
     state = model_state(plan, rank, regime, optimizer, shard_shared)
     held = sum(state.values())
-    extras = _persistent_extras(plan, rank, regime, shard_shared)
+    all_buckets, largest_bucket = _buckets(plan, rank, shard_shared, bucket_cap_bytes)
+    extras = _persistent_extras(plan, rank, regime, shard_shared, all_buckets, state["gradients"])
     acts, recomputed = activations(plan, rank, trace, regime, activation_checkpointing) if trace else (0.0, 0.0)
     largest_saved = trace.largest if trace else 0.0
     start = extras + 2 * largest_saved + recomputed
-    gathered_grad = extras - (plan.full_bytes - float(plan.bytes_per_rank[rank]) if regime == "backward" else 0.0)
-    waiting = max(_largest_bucket(plan, rank, shard_shared, bucket_cap_bytes), gathered_grad)
+    gathered = float(plan.owners[rank].double() @ plan.unit_bytes) if (regime, plan.level) == ("forward", "neuron") else 0
+    waiting = max(largest_bucket, gathered)
     end = extras + waiting + _largest_param(plan, rank, regime)
     transient, at = (start, "start of backward") if acts + start >= end else (end, "end of backward")
     kept = acts if at == "start of backward" else 0.0

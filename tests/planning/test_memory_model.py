@@ -74,3 +74,24 @@ def test_unknown_optimizer_and_regime_are_refused():
         model_state(plan, 0, "forward", "lion")
     with pytest.raises(ValueError, match="regime must be one of"):
         model_state(plan, 0, "sideways")
+
+
+def test_the_study_comparison_in_the_docs_is_generated_and_close():
+    """docs/memory.md's table is what bench/memory_model_check.py writes from the committed
+    study summary, and every prediction is within 15% of the study's measured peak."""
+    import json
+    import os
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.join(repo, "bench"))
+    import memory_model_check
+
+    with open(memory_model_check.SUMMARY) as f:
+        summary = json.load(f)
+    expected = memory_model_check.block(summary)
+    with open(memory_model_check.DOC) as f:
+        doc = f.read()
+    assert expected in doc, "docs/memory.md is stale: run python bench/memory_model_check.py --write"
+    for task, run, predicted, measured in memory_model_check.rows(summary):
+        assert abs(predicted - measured) <= 0.15 * measured, (task, run, predicted, measured)

@@ -7,7 +7,9 @@ Model state (held for the whole step):
 - parameters: the forward regime holds the shared parameters and its units' slices; the
   backward regime holds the full model (units it does not own are refreshed by their owners).
   With `shard_shared`, the shared parameters count as this rank's FSDP2 shard.
-- gradients: of what the rank owns (both regimes), in the communication buckets.
+- gradients: of what the rank owns (both regimes). Averaged ones live in the communication
+  buckets, kept between steps; a unit with one owner has its gradient allocated in backward
+  and freed by zero_grad.
 - optimizer state: `optimizer_moments(optimizer)` tensors of the owned parameters' size
   (AdamW/Adam: exp_avg and exp_avg_sq; SGD with momentum: the momentum buffer; plain SGD: none).
 Persistent extras the engine keeps: the backward regime's refresh buffer (the units it does
@@ -19,13 +21,15 @@ the forward regime (only the subnetwork runs), the full model's in the backward 
 whole forward runs). With activation checkpointing the blocks keep only their inputs and one
 block's saved tensors are recomputed at a time in backward (a transient).
 
-The peak is the larger of two moments, found by metering real steps
+The peak is the largest of three moments, found by metering real steps
 (engine/memory_meter.py; tests/planning/test_memory_model.py checks the sum within 10%):
-- start of backward: persistent + activations + two of the largest saved tensors' size
-  (the gradient flowing back and the next one) [+ one recomputed block];
-- end of backward: persistent + gradients not yet in their bucket (at most the largest bucket
-  this rank fills, or at the neuron level in the forward regime the gathered weights'
-  gradient) + one gradient being computed (the largest parameter).
+- start of backward: persistent + bucketed gradients + activations + two of the largest saved
+  tensors' size (the gradient flowing back and the next one) [+ one recomputed block];
+- end of backward: persistent + every gradient + gradients not yet in their bucket (at most
+  the largest bucket this rank fills, or at the neuron level in the forward regime the
+  gathered weights' gradient) + one gradient being computed (the largest parameter);
+- optimizer step: persistent + every gradient + one parameter's update temporaries (twice the
+  largest parameter: the per-parameter loop of torch's CPU optimizers).
 With `shard_shared`, FSDP2's gathered shared parameters are alive at both moments, and their
 unsharded gradient at the end of backward.
 """
@@ -145,15 +149,36 @@ def activations(plan, rank: int, trace: ActivationTrace, regime: str = "forward"
     return outside + sum(trace.block_inputs[p] * r for p, r in runs.items()), recomputed
 
 
-def _persistent_extras(plan, rank: int, regime: str, shard_shared: bool, buckets: float, gradients: float) -> float:
+def _gathered_bytes(plan, rank: int, regime: str) -> float:
+    """Neuron level, forward regime: the bytes of the weights gathered for the forward from the
+    rank's pieces, in the groups where its units form more than one piece (a run of units with
+    one owner set is one piece; a single piece is the weight itself, nothing is gathered)."""
+    if (regime, plan.level) != ("forward", "neuron"):
+        return 0.0
+    owned, sets, total = plan.owners[rank], plan.unit_owner_sets(), 0.0
+    for a, b in plan.unit_ranges:
+        units = [u for u in range(a, b) if owned[u]]
+        pieces = sum(1 for i, u in enumerate(units) if i == 0 or u != units[i - 1] + 1 or sets[u] != sets[units[i - 1]])
+        if pieces > 1:
+            total += float(plan.unit_bytes[units].sum())
+    return total
+
+
+def _communicated_gradients(plan, rank: int, shard_shared: bool) -> float:
+    """Bytes of the rank's gradients that are averaged (held in bucket buffers between steps): its
+    units with two or more owners, and the shared parameters unless FSDP2 takes them."""
+    shared = plan.shared_bytes if plan.world_size > 1 and not shard_shared else 0.0
+    return shared + float(plan.owners[rank].double() @ (plan.unit_bytes * (plan.owner_count > 1)))
+
+
+def _persistent_extras(plan, rank: int, regime: str, shard_shared: bool, buckets: float, communicated: float) -> float:
     """Bytes the engine keeps besides model state: bucket buffers beyond the gradients they hold
     (zero-filled buckets), the backward regime's refresh buffer, the neuron-level forward
     regime's gathered weights, FSDP2's gathered shared parameters."""
-    extra = max(0.0, buckets - gradients)
+    extra = max(0.0, buckets - communicated)
     # The refresh buffer holds the pieces of the units this rank does not own (comm/refresh.py).
     extra += plan.full_bytes - float(plan.bytes_per_rank[rank]) if regime == "backward" else 0.0
-    if regime == "forward" and plan.level == "neuron":
-        extra += float(plan.owners[rank].double() @ plan.unit_bytes)
+    extra += _gathered_bytes(plan, rank, regime)
     if shard_shared:
         extra += _shared_param_bytes(plan)
     return extra
@@ -171,23 +196,27 @@ def predict_step_memory(plan, rank: int, trace: ActivationTrace | None = None, r
             configuration (SubnetDataParallel's and the training loop's).
     Returns:
         {"parameters", "gradients", "optimizer_state", "model_state", "activations",
-        "transient", "total", "peak_at"}: bytes; "total" = model_state + activations +
-        transient at the predicted peak; "peak_at": "start of backward" or "end of backward".
+        "transient", "total", "peak_at"}: bytes at the predicted peak ("gradients": those alive
+        then); "total" = model_state + activations + transient; "peak_at": "start of
+        backward", "end of backward" or "optimizer step".
     """
     state = model_state(plan, rank, regime, optimizer, shard_shared)
-    held = sum(state.values())
     all_buckets, largest_bucket = _buckets(plan, rank, shard_shared, bucket_cap_bytes)
-    extras = _persistent_extras(plan, rank, regime, shard_shared, all_buckets, state["gradients"])
+    communicated = min(_communicated_gradients(plan, rank, shard_shared), state["gradients"])
+    extras = _persistent_extras(plan, rank, regime, shard_shared, all_buckets, communicated)
     acts, recomputed = activations(plan, rank, trace, regime, activation_checkpointing) if trace else (0.0, 0.0)
-    largest_saved = trace.largest if trace else 0.0
-    start = extras + 2 * largest_saved + recomputed
-    gathered = float(plan.owners[rank].double() @ plan.unit_bytes) if (regime, plan.level) == ("forward", "neuron") else 0
-    waiting = max(largest_bucket, gathered)
-    end = extras + waiting + _largest_param(plan, rank, regime)
-    transient, at = (start, "start of backward") if acts + start >= end else (end, "end of backward")
-    kept = acts if at == "start of backward" else 0.0
-    return dict(state, model_state=held, activations=kept, transient=transient, total=held + kept + transient,
-                peak_at=at)
+    largest = _largest_param(plan, rank, regime)
+    moments = {  # (gradients alive, activations alive, transient)
+        "start of backward": (communicated, acts, extras + 2 * (trace.largest if trace else 0.0) + recomputed),
+        "end of backward": (state["gradients"], 0.0,
+                            extras + max(largest_bucket, _gathered_bytes(plan, rank, regime)) + largest),
+        "optimizer step": (state["gradients"], 0.0, extras + 2 * largest),  # one parameter's update temporaries
+    }
+    at = max(moments, key=lambda m: sum(moments[m]))
+    grads, kept, transient = moments[at]
+    held = state["parameters"] + grads + state["optimizer_state"]
+    return dict(state, gradients=grads, model_state=held, activations=kept, transient=transient,
+                total=held + kept + transient, peak_at=at)
 
 
 def worst_rank_memory(plan, trace: ActivationTrace | None = None, **config) -> dict:

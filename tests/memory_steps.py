@@ -30,6 +30,13 @@ def gpt_task(preset="deep", batch=2, seq_len=32):
     return model, torch.randint(0, 128, (batch, seq_len)), torch.randint(0, 128, (batch, seq_len))
 
 
+def resnet_task(batch=8):
+    """The bundled CIFAR-shaped ResNet (width 16) and one rank's batch of 3x32x32 images."""
+    torch.manual_seed(0)
+    model = build_model("resnet", in_channels=3, num_classes=10, width=16)
+    return model, torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,))
+
+
 def _logits(out):
     return out[0] if isinstance(out, tuple) else out
 

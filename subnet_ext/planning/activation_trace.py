@@ -47,8 +47,9 @@ class ActivationTrace:
             input of a Linear or convolution (needed for its weight's gradient alone: the
             backward regime does not keep it for units the rank does not own).
         shared: bytes saved outside every unit (every rank saves them).
-        block_inputs / block_saved: {block path: bytes} of each residual block's input and of
-            what it saves (all units held); empty when the model has no residual block.
+        block_inputs / block_saved / block_outputs: {block path: bytes} of each residual block's
+            input, of what it saves (all units held) and of its output (what a skipped block's
+            ReLU saves); empty when the model has no residual block.
         largest: bytes of the largest saved storage (its gradient is a backward temporary).
         source: what was traced.
     """
@@ -58,6 +59,7 @@ class ActivationTrace:
     shared: float
     block_inputs: dict
     block_saved: dict
+    block_outputs: dict
     largest: float
     source: str
 
@@ -114,6 +116,16 @@ def _loss(out) -> torch.Tensor | None:
     return F.cross_entropy(flat, torch.zeros(flat.shape[0], dtype=torch.long, device=flat.device))
 
 
+def _shortcuts(model: nn.Module, group) -> list:
+    """The children of a block group's module that hold parameters, none of them the unit's."""
+    owned, out = set(group.params), []
+    for name, child in model.get_submodule(group.path).named_children():
+        names = [f"{group.path}.{name}.{n}" for n, _ in child.named_parameters()]
+        if names and not any(n in owned for n in names):
+            out.append(child)
+    return out
+
+
 _WEIGHT_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
@@ -127,13 +139,17 @@ class _Recorder:
             self.seen[t.untyped_storage()] = True  # model state, never an activation
         self.block_unit = {model.get_submodule(g.path): a for g, (a, _) in zip(plan.groups, plan.unit_ranges)
                            if g.kind == "block"}
+        # A block's shortcut projection holds shared parameters and runs whether the block is
+        # held or skipped: what it saves is shared (None stops the search for a block unit).
+        self.block_unit.update({child: None for g in plan.groups if g.kind == "block"
+                                for child in _shortcuts(model, g)})
         self.blocks = {model.get_submodule(b.path): b.path for b in blocks}
         self.unit = [0.0] * len(plan.units)  # lists: a tensor made here would be fake
         self.weight_inputs = [0.0] * len(plan.units)
         self.layer_inputs = WeakIdKeyDictionary()  # input storage -> the Linear/conv reading it
         self.shared, self.largest = 0.0, 0.0
         self.block_inputs = {b.path: 0.0 for b in blocks}
-        self.block_saved = dict(self.block_inputs)
+        self.block_saved, self.block_outputs = dict(self.block_inputs), dict(self.block_inputs)
 
     def pack(self, t):
         storage = t.untyped_storage()
@@ -172,6 +188,8 @@ class _Recorder:
         self.stack.pop()
         if module in self.blocks:
             self.block_stack.pop()
+            if (y := _first_tensor(out)) is not None:
+                self.block_outputs[self.blocks[module]] = float(y.untyped_storage().nbytes())
         tensors = [t for t in tree_iter(out) if isinstance(t, torch.Tensor)]
         for t in tensors:
             if module in consumers:
@@ -218,7 +236,7 @@ def trace_activations(model: nn.Module, plan, sample_input, device=None) -> Acti
         recorder = _run_trace(meta, plan, x)
     return ActivationTrace(torch.tensor(recorder.unit, dtype=torch.float64),
                            torch.tensor(recorder.weight_inputs, dtype=torch.float64), recorder.shared, recorder.block_inputs,
-                           recorder.block_saved, recorder.largest,
+                           recorder.block_saved, recorder.block_outputs, recorder.largest,
                            f"saved tensors of one forward of {list(x.shape)} {str(x.dtype)[6:]} ({device.type} kernels)")
 
 

@@ -121,6 +121,15 @@ def _largest_param(plan, rank: int, regime: str) -> float:
     return float(max(sizes, default=0.0))
 
 
+def _skipped_relus(plan, rank: int, trace: ActivationTrace, regime: str) -> float:
+    """Forward regime, block level: a skipped block whose output passes a ReLU (skip
+    "shortcut_relu") still applies it, and the ReLU saves its output (engine/surgery.py)."""
+    if regime != "forward":
+        return 0.0
+    return sum(trace.block_outputs.get(g.path, 0.0) for g, (a, _) in zip(plan.groups, plan.unit_ranges)
+               if g.kind == "block" and g.skip == "shortcut_relu" and not plan.owners[rank, a])
+
+
 def activations(plan, rank: int, trace: ActivationTrace, regime: str = "forward",
                 activation_checkpointing: bool = False) -> tuple[float, float]:
     """(activation bytes kept through the forward, bytes recomputed at once in backward) of `rank`.
@@ -130,7 +139,8 @@ def activations(plan, rank: int, trace: ActivationTrace, regime: str = "forward"
     input (a block-level rank runs only its blocks), and one block's saved tensors recomputed.
     """
     held = plan.owners[rank].double()
-    kept = trace.shared + float(held @ trace.unit)
+    relus = _skipped_relus(plan, rank, trace, regime)
+    kept = trace.shared + float(held @ trace.unit) + relus
     if regime == "backward":  # others' units run too, keeping what their input gradient needs
         kept += float((1 - held) @ (trace.unit - trace.unit_weight_inputs))
         held = torch.ones_like(held)
@@ -146,7 +156,7 @@ def activations(plan, rank: int, trace: ActivationTrace, regime: str = "forward"
     # what the blocks save in all); a block-level rank's blocks save all of theirs.
     share = (kept - outside) / inside if plan.level == "neuron" and inside else 1.0
     recomputed = max((trace.block_saved[p] * share for p, r in runs.items() if r), default=0.0)
-    return outside + sum(trace.block_inputs[p] * r for p, r in runs.items()), recomputed
+    return outside + relus + sum(trace.block_inputs[p] * r for p, r in runs.items()), recomputed
 
 
 def _gathered_bytes(plan, rank: int, regime: str) -> float:

@@ -1,7 +1,7 @@
 """The memory model (subnet_ext/planning/memory_model.py) against live measurements.
 
 Its predicted peak of one training step is compared with StepMemoryMeter on a real step of
-one rank (tests/memory_steps.py) of the study's two models, at small sizes: SDP at C=1 (what
+one rank (tests/memory_steps.py) of the study's two models and the bundled ResNet, at small sizes: SDP at C=1 (what
 DDP computes), the block and neuron levels in the forward regime at C=0.5, the backward
 regime, and activation checkpointing; within 10% of the measured peak. Model state is
 checked exactly against the optimizer's own tensors.
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import subnet_ext as sx
-from memory_steps import MIB, gpt_task, measure_rank_step, mlp_task
+from memory_steps import MIB, gpt_task, measure_rank_step, mlp_task, resnet_task
 from subnet_ext.planning.activation_trace import trace_activations
 from subnet_ext.planning.memory_model import model_state, optimizer_moments, predict_step_memory
 
@@ -24,12 +24,16 @@ CONFIGS = [  # (task, level, regime, coverage, activation checkpointing)
     ("gpt", "block", "backward", 0.5, False),
     ("gpt", "block", "forward", 0.5, True),
     ("gpt", "neuron", "forward", 0.5, True),
+    ("resnet", "block", "forward", 0.5, False),  # skipped blocks still apply their ReLU
+    ("resnet", "neuron", "forward", 0.5, False),
+    ("resnet", "block", "forward", 0.5, True),
 ]
+TASKS = {"mlp": mlp_task, "gpt": gpt_task, "resnet": resnet_task}
 
 
 @pytest.mark.parametrize("task,level,regime,coverage,ac", CONFIGS)
 def test_predicted_peak_within_ten_percent_of_the_meter(task, level, regime, coverage, ac):
-    model, x, y = mlp_task() if task == "mlp" else gpt_task()
+    model, x, y = TASKS[task]()
     plan = sx.plan_subnetworks(model, 4, coverage, level, seed=0)
     predicted = predict_step_memory(plan, 1, trace_activations(model, plan, x), regime=regime,
                                     activation_checkpointing=ac)

@@ -3,7 +3,8 @@
 `trace_activations(model, plan, sample_input)` runs the full model's forward once on fake
 tensors (torch's FakeTensorMode: shapes propagate, nothing is allocated, and each operation picks
 the kernel of the device it pretends to run on: on the meta device attention would fall back to
-the math path, which saves its [B, H, T, T] probabilities that CPU and CUDA kernels do not), then a cross-entropy loss on its output, under
+the math path, which saves its [B, H, T, T] probabilities that CPU and CUDA kernels do not),
+then a cross-entropy loss on its output, under
 `torch.autograd.graph.saved_tensors_hooks`, and attributes every tensor autograd saves for
 backward, deduplicated by storage and never a parameter's or buffer's storage:
 - to the neuron group whose width it has: the output of a group's producer (a module holding
@@ -164,7 +165,7 @@ class _Recorder:
         if tag is not None:
             a, b = self.plan.unit_ranges[tag]
             units = range(a, b)
-        elif (unit := next((self.block_unit[m] for m in reversed(self.stack) if m in self.block_unit), None)) is not None:
+        elif (unit := self._block_unit()) is not None:
             units = range(unit, unit + 1)
         else:
             self.shared += size
@@ -174,6 +175,10 @@ class _Recorder:
             self.unit[u] += size / len(units)
             self.weight_inputs[u] += size / len(units) if weight_input else 0.0
         return t
+
+    def _block_unit(self):
+        """The unit of the innermost running block (None: none, or inside its shortcut)."""
+        return next((self.block_unit[m] for m in reversed(self.stack) if m in self.block_unit), None)
 
     def enter(self, module, args):
         self.stack.append(module)
@@ -235,9 +240,10 @@ def trace_activations(model: nn.Module, plan, sample_input, device=None) -> Acti
         x = torch.zeros(shape.shape, dtype=shape.dtype, device=device)
         recorder = _run_trace(meta, plan, x)
     return ActivationTrace(torch.tensor(recorder.unit, dtype=torch.float64),
-                           torch.tensor(recorder.weight_inputs, dtype=torch.float64), recorder.shared, recorder.block_inputs,
-                           recorder.block_saved, recorder.block_outputs, recorder.largest,
-                           f"saved tensors of one forward of {list(x.shape)} {str(x.dtype)[6:]} ({device.type} kernels)")
+                           torch.tensor(recorder.weight_inputs, dtype=torch.float64), recorder.shared,
+                           recorder.block_inputs, recorder.block_saved, recorder.block_outputs, recorder.largest,
+                           f"saved tensors of one forward of {list(x.shape)} {str(x.dtype)[6:]} "
+                           f"({device.type} kernels)")
 
 
 def _run_trace(meta: nn.Module, plan, x: torch.Tensor) -> _Recorder:

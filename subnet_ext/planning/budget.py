@@ -98,7 +98,8 @@ def candidates_table(candidates: list, budget: int, chosen: dict | None = None, 
     """Markdown table: one row per candidate, with the predicted worst rank's model state,
     activations, transient and peak (MiB) and whether it fits `budget` (bytes) with `margin`."""
     mib = 2 ** 20
-    lines = [f"| configuration | model state MiB | activations MiB | transient MiB | peak MiB/rank | fits {format_size(budget)} |",
+    lines = ["| configuration | model state MiB | activations MiB | transient MiB | peak MiB/rank | "
+             f"fits {format_size(budget)} |",
              "|---|---:|---:|---:|---:|---|"]
     for c in candidates:
         p = c.predicted

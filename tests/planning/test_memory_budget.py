@@ -95,3 +95,12 @@ def test_preference_follows_the_study():
     assert losses == sorted(losses)
     assert PREFERENCE[0][2] == 1.0 and PREFERENCE[-1][2] == "1/K"
     assert max(losses) < runs["sdp-block-forward-c0.25"]["protocols"]["flops"]["loss"]
+
+
+def test_without_a_sample_only_model_state_is_counted(capsys):
+    model, _, _ = mlp_task()
+    fit = sx.plan_for_memory(model, 4, "1GiB", optimizer=torch.optim.SGD, verbose=True)
+    assert "activations not counted" in capsys.readouterr().out
+    assert fit.predicted["activations"] == 0 and fit.predicted["optimizer_state"] == 0  # plain SGD keeps none
+    assert not any(c.activation_checkpointing for c in fit.candidates)  # nothing traced to checkpoint
+    assert fit.choice.coverage == 1.0 and fit.sdp_kwargs == {"regime": "forward", "shard_shared": False}

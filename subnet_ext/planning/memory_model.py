@@ -35,8 +35,6 @@ unsharded gradient at the end of backward.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .activation_trace import ActivationTrace
@@ -73,8 +71,13 @@ def optimizer_moments(optimizer="adamw") -> float:
     return _MOMENTS[key]
 
 
+def _tensor_bytes(plan, name: str) -> float:
+    """Bytes of the original model's tensor `name` (its shape and dtype as the plan records them)."""
+    return float(plan.numel_of(name) * torch.empty((), dtype=getattr(torch, plan.tensor_dtypes[name])).element_size())
+
+
 def _shared_param_bytes(plan) -> float:
-    return float(sum(plan._bytes_of(n, math.prod(plan.tensor_shapes[n])) for n in sharded_names(plan)))
+    return sum(_tensor_bytes(plan, n) for n in sharded_names(plan))
 
 
 def model_state(plan, rank: int, regime: str = "forward", optimizer="adamw", shard_shared: bool = False) -> dict:
@@ -108,16 +111,16 @@ def _buckets(plan, rank: int, shard_shared: bool, bucket_cap_bytes: float) -> tu
     return sum(sizes), max(sizes, default=0.0)
 
 
-def _largest_param(plan, rank: int, regime: str) -> float:
+def _largest_param(plan, rank: int) -> float:
     """Bytes of the largest parameter tensor (or owned slice of one) the rank computes a gradient for."""
-    sizes = [plan._bytes_of(n, plan.numel_of(n)) for n in plan.shared_params]
+    sizes = [_tensor_bytes(plan, n) for n in plan.shared_params]
     owned = plan.owners[rank]
     for g, (a, b) in zip(plan.groups, plan.unit_ranges):
         share = int(owned[a:b].sum())
         if share:
             names = g.params if g.kind == "block" else [m.name for m in g.members if not m.buffer]
             per = 1.0 if g.kind == "block" else share / g.size
-            sizes += [plan._bytes_of(n, plan.numel_of(n)) * per for n in dict.fromkeys(names)]
+            sizes += [_tensor_bytes(plan, n) * per for n in dict.fromkeys(names)]
     return float(max(sizes, default=0.0))
 
 
@@ -143,7 +146,6 @@ def activations(plan, rank: int, trace: ActivationTrace, regime: str = "forward"
     kept = trace.shared + float(held @ trace.unit) + relus
     if regime == "backward":  # others' units run too, keeping what their input gradient needs
         kept += float((1 - held) @ (trace.unit - trace.unit_weight_inputs))
-        held = torch.ones_like(held)
     if not activation_checkpointing or not trace.block_inputs:
         return kept, 0.0
     inside = sum(trace.block_saved.values())
@@ -215,7 +217,7 @@ def predict_step_memory(plan, rank: int, trace: ActivationTrace | None = None, r
     communicated = min(_communicated_gradients(plan, rank, shard_shared), state["gradients"])
     extras = _persistent_extras(plan, rank, regime, shard_shared, all_buckets, communicated)
     acts, recomputed = activations(plan, rank, trace, regime, activation_checkpointing) if trace else (0.0, 0.0)
-    largest = _largest_param(plan, rank, regime)
+    largest = _largest_param(plan, rank)
     moments = {  # (gradients alive, activations alive, transient)
         "start of backward": (communicated, acts, extras + 2 * (trace.largest if trace else 0.0) + recomputed),
         "end of backward": (state["gradients"], 0.0,

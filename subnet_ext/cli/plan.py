@@ -64,9 +64,10 @@ def _budget(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from e
 
 
-def fit_budget(args, model) -> tuple:
-    """(plan, regime) plan_for_memory chooses for --memory-budget (its table printed), or
-    (None, None) after printing why nothing fits to stderr."""
+def fit_budget(args, model):
+    """The plan plan_for_memory chooses for --memory-budget (its table printed), with `args.regime`
+    and `args.shard_shared` set to its choice (so the cost table shows it); None after printing
+    why nothing fits to stderr."""
     shape, dtype = sample_input_for(args.model, model, args.seq_len)
     sample = ((args.batch_size, *shape[1:]), dtype)
     print(f"Fitting {format_size(args.memory_budget)} per rank, {args.world_size} ranks, batch {list(sample[0])} "
@@ -76,11 +77,12 @@ def fit_budget(args, model) -> tuple:
                               optimizer=args.optimizer, seed=args.seed)
     except NoConfigurationFits as e:
         print(f"subnet-plan: {e}", file=sys.stderr)
-        return None, None
+        return None
     print(f"SubnetDataParallel(model, plan, regime={fit.sdp_kwargs['regime']!r}, "
           f"shard_shared={fit.sdp_kwargs['shard_shared']}); activation checkpointing: "
           f"{'yes (--activation-checkpointing)' if fit.activation_checkpointing else 'no'}\n")
-    return fit.plan, fit.sdp_kwargs["regime"]
+    args.regime, args.shard_shared = fit.sdp_kwargs["regime"], fit.sdp_kwargs["shard_shared"]
+    return fit.plan
 
 
 def sample_input_for(model_name: str, model: nn.Module, seq_len: int = 64, data: str | None = None):
@@ -169,7 +171,7 @@ def main(argv=None) -> int:
         if args.memory_budget is not None:
             if args.batch_size < 1:
                 parser.error(f"--batch-size must be at least 1, got {args.batch_size}")
-            plan, args.regime = fit_budget(args, model)
+            plan = fit_budget(args, model)
             if plan is None:
                 return 1
         else:

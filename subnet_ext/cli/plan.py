@@ -18,9 +18,12 @@ import torch
 import torch.nn as nn
 
 from ..planning.costs import choose_strategy, predicted_comm
-from ..planning.sharding import predicted_fsdp_comm, predicted_sharded_model_state
+from ..planning.memory_model import model_state, replicated_model_state
+from ..planning.sharding import predicted_fsdp_comm
 from ..models import GPT_PRESETS, LLAMA_PRESETS, build_model
+from ..planning.budget import NoConfigurationFits, plan_for_memory
 from ..planning.plan import plan_subnetworks
+from ..planning.sizes import format_size, parse_size
 
 MIB = 2 ** 20
 
@@ -40,9 +43,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--seq-len", type=int, default=64, help="llama, gpt: tokens in the traced sample (FLOPs)")
     p.add_argument("--json", default=None, help="also write the plan as JSON to this path")
+    p.add_argument("--memory-budget", type=_budget, default=None, metavar="SIZE",
+                   help="per-rank memory budget, e.g. 8GiB, 512MiB, 1.5GB: choose level, coverage, regime, sharding "
+                        "and activation checkpointing that fit it (subnet_ext.plan_for_memory; --coverage, --level "
+                        "and --regime are then chosen, not read), printing every candidate's predicted peak")
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="samples per rank in the traced batch (activations in --memory-budget's predictions)")
+    p.add_argument("--optimizer", choices=("adamw", "sgd", "sgd_momentum"), default="adamw",
+                   help="optimizer whose state --memory-budget counts")
     p.add_argument("--shard-shared", action="store_true",
                    help="also predict SDP with the shared parameters sharded by FSDP2 (SubnetDataParallel shard_shared)")
     return p
+
+
+def _budget(text: str) -> int:
+    """argparse type of --memory-budget: bytes, or argparse's error naming the bad size."""
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def fit_budget(args, model):
+    """The plan plan_for_memory chooses for --memory-budget (its table printed), with `args.regime`
+    and `args.shard_shared` set to its choice (so the cost table shows it); None after printing
+    why nothing fits to stderr."""
+    shape, dtype = sample_input_for(args.model, model, args.seq_len)
+    sample = ((args.batch_size, *shape[1:]), dtype)
+    print(f"Fitting {format_size(args.memory_budget)} per rank, {args.world_size} ranks, batch {list(sample[0])} "
+          f"per rank, {args.optimizer}:\n")
+    try:
+        fit = plan_for_memory(model, args.world_size, args.memory_budget, sample_input=sample,
+                              optimizer=args.optimizer, seed=args.seed)
+    except NoConfigurationFits as e:
+        print(f"subnet-plan: {e}", file=sys.stderr)
+        return None
+    print(f"SubnetDataParallel(model, plan, regime={fit.sdp_kwargs['regime']!r}, "
+          f"shard_shared={fit.sdp_kwargs['shard_shared']}); activation checkpointing: "
+          f"{'yes (--activation-checkpointing)' if fit.activation_checkpointing else 'no'}\n")
+    args.regime, args.shard_shared = fit.sdp_kwargs["regime"], fit.sdp_kwargs["shard_shared"]
+    return fit.plan
 
 
 def sample_input_for(model_name: str, model: nn.Module, seq_len: int = 64, data: str | None = None):
@@ -71,12 +111,17 @@ def sample_input_for(model_name: str, model: nn.Module, seq_len: int = 64, data:
     raise ValueError(f"no sample input known for model {model_name!r}; expected llama, gpt, mlp, plain_mlp or resnet")
 
 
+def _state(plan, rank: int, regime: str, shard_shared: bool = False) -> float:
+    """The memory model's model-state bytes of `rank` (AdamW)."""
+    return float(sum(model_state(plan, rank, regime, "adamw", shard_shared).values()))
+
+
 def sharded_row(plan, regime: str, strategy: str) -> tuple:
     """(label, model state, ring bytes, collectives) of SDP with shard_shared: units as SDP,
     shared / K x (params + grads + AdamW), FSDP2's all-gather + reduce-scatter of the
     shared part ((K-1)/K of the full buffer moved per rank each)."""
     k = plan.world_size
-    state = max(predicted_sharded_model_state(plan, r, regime) for r in range(k))
+    state = max(_state(plan, r, regime, shard_shared=True) for r in range(k))
     units = [predicted_comm(plan, r, strategy, regime, shard_shared=True) for r in range(k)]
     fsdp = predicted_fsdp_comm(plan)
     ring = max(c["ring_bytes"] for c in units) + (k - 1) / k * fsdp["bytes"]
@@ -89,12 +134,11 @@ def cost_table(plan, regime: str, shard_shared: bool = False) -> str:
     (and SDP with sharded shared parameters when `shard_shared`)."""
     k, full = plan.world_size, plan.full_bytes
     strategy, _ = choose_strategy(plan)
-    sdp_state = max(float(plan.bytes_per_rank[r]) * (4 if regime == "forward" else 3) +
-                    (full if regime == "backward" else 0) for r in range(k))
+    sdp_state = max(_state(plan, r, regime) for r in range(k))
     sdp_comm = [predicted_comm(plan, r, strategy, regime) for r in range(k)]
     rows = [
-        ("ddp", 4 * full, 2 * (k - 1) / k * full, "per bucket"),
-        ("fsdp", 4 * full / k, 3 * (k - 1) / k * full, "3 per layer"),
+        ("ddp", replicated_model_state(plan), 2 * (k - 1) / k * full, "per bucket"),
+        ("fsdp", replicated_model_state(plan, world_size=k), 3 * (k - 1) / k * full, "3 per layer"),
         (f"sdp ({plan.level}, {regime}, C={plan.coverage:g}, {strategy})", sdp_state,
          max(c["ring_bytes"] for c in sdp_comm), max(c["collectives"] for c in sdp_comm)),
     ]
@@ -124,8 +168,15 @@ def main(argv=None) -> int:
     try:
         with torch.device("meta"):
             model = build_model(args.model, preset=args.preset, **kw)
-        plan = plan_subnetworks(model, args.world_size, args.coverage, args.level, args.seed,
-                                sample_input=sample_input_for(args.model, model, args.seq_len))
+        if args.memory_budget is not None:
+            if args.batch_size < 1:
+                parser.error(f"--batch-size must be at least 1, got {args.batch_size}")
+            plan = fit_budget(args, model)
+            if plan is None:
+                return 1
+        else:
+            plan = plan_subnetworks(model, args.world_size, args.coverage, args.level, args.seed,
+                                    sample_input=sample_input_for(args.model, model, args.seq_len))
     except ValueError as e:
         parser.error(str(e))
     n = sum(p.numel() for p in model.parameters())

@@ -7,7 +7,8 @@ import torch
 import torch.nn as nn
 
 from ..planning.costs import predicted_comm
-from ..planning.sharding import predicted_fsdp_comm, predicted_sharded_model_state
+from ..planning.memory_model import model_state
+from ..planning.sharding import predicted_fsdp_comm
 from ..state.layout import local_tensor
 
 
@@ -99,11 +100,7 @@ def memory_report(module: nn.Module, extra_params: list, averager, device: torch
 
 def predicted_model_state_bytes(plan, rank: int, regime: str, optimizer_state_per_param: float = 2.0,
                                 shard_shared: bool = False) -> float:
-    """Plan's prediction of parameters + gradients + optimizer state (Adam: 2 x params) in bytes
-    (shard_shared: the shared parameters' part is this rank's shard, planning/sharding.py)."""
-    if shard_shared:
-        return predicted_sharded_model_state(plan, rank, regime, optimizer_state_per_param)
-    own = float(plan.bytes_per_rank[rank])
-    if regime == "backward":
-        return plan.full_bytes + own * (1 + optimizer_state_per_param)
-    return own * (2 + optimizer_state_per_param)
+    """The memory model's parameters + gradients + optimizer state of `rank`, in bytes
+    (planning/memory_model.model_state; optimizer state: `optimizer_state_per_param` tensors
+    of each owned parameter's size, AdamW's 2 by default)."""
+    return float(sum(model_state(plan, rank, regime, optimizer_state_per_param, shard_shared).values()))

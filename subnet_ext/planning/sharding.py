@@ -3,8 +3,9 @@
 The plan's shared parameters (embeddings, LM head, stem, final norms, shortcut
 projections: every rank holds them) are sharded along dim 0 across the K ranks by torch's
 FSDP2; SDP keeps averaging the units among their owners. These functions say, from the
-plan alone, which pieces SDP still communicates and what the sharded part costs, so the
-planner's prediction and the engine's report use the same numbers.
+plan alone, which pieces SDP still communicates and what the sharded part costs in
+communication, so the planner's prediction and the engine's report use the same numbers.
+Its memory is planning/memory_model.py's (model_state(..., shard_shared=True)).
 """
 from __future__ import annotations
 
@@ -68,16 +69,3 @@ def predicted_fsdp_comm(plan: SubnetPlan) -> dict:
     return {"all_gather_bytes": int(gathers * full), "reduce_scatter_bytes": int(full if gathers else 0),
             "bytes": int((gathers + (1 if gathers else 0)) * full), "collectives": gathers + (1 if gathers else 0),
             "source": FSDP_SOURCE}
-
-
-def predicted_sharded_model_state(plan: SubnetPlan, rank: int, regime: str,
-                                  optimizer_state_per_param: float = 2.0) -> float:
-    """Parameters + gradients + optimizer state with the shared parameters sharded:
-    forward regime (units owned + shared / K) x (2 + optimizer state per parameter);
-    backward regime adds the full copies of units this rank does not own."""
-    shared = sum(plan.bytes_of(n, math.prod(plan.tensor_shapes[n])) for n in sharded_names(plan))
-    shard = shard_bytes(plan, rank)
-    own = float(plan.bytes_per_rank[rank]) - shared + shard
-    if regime == "backward":
-        return plan.full_bytes - shared + shard + own * (1 + optimizer_state_per_param)
-    return own * (2 + optimizer_state_per_param)

@@ -1,0 +1,106 @@
+"""plan_for_memory and `subnet-plan --memory-budget` (subnet_ext/planning/budget.py).
+
+For three models (the study's residual MLP and GPT, the bundled LLaMA), a budget is set
+between two candidates' predictions; the chosen configuration is built and one rank's real
+training step metered (tests/memory_steps.py): its measured peak must fit the budget and be
+within 10% of the prediction. Also: the nothing-fits error, size parsing, the CLI flag, and
+that PREFERENCE follows the committed study's losses.
+"""
+import json
+import os
+
+import pytest
+import torch
+
+import subnet_ext as sx
+from memory_steps import MIB, gpt_task, measure_rank_step, mlp_task
+from subnet_ext.cli.plan import main as subnet_plan
+from subnet_ext.models import build_model
+from subnet_ext.planning.budget import MARGIN, PREFERENCE
+from subnet_ext.planning.sizes import parse_size
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def llama_task(batch=2, seq_len=32):
+    torch.manual_seed(0)
+    model = build_model("llama", preset="tiny")
+    return model, torch.randint(0, 256, (batch, seq_len)), torch.randint(0, 256, (batch, seq_len))
+
+
+def _budget_between(candidates):
+    """A budget halfway between what a candidate needs (its prediction with the planner's margin)
+    and the least that any candidate preferred to it needs, so the planner must pass over those;
+    only candidates one simulated rank can run (no FSDP2 sharding)."""
+    need = [c.predicted["total"] * (1 + MARGIN) for c in candidates]
+    for i, c in enumerate(candidates):
+        if i and not c.shard_shared and min(need[:i]) > need[i]:
+            return (need[i] + min(need[:i])) / 2
+    pytest.fail("no two candidates to put a budget between")
+
+
+@pytest.mark.parametrize("task", [mlp_task, gpt_task, llama_task], ids=["mlp", "gpt", "llama"])
+def test_the_chosen_configuration_fits_when_measured(task):
+    model, x, y = task()
+    everything = sx.plan_for_memory(model, 4, "1TiB", sample_input=x, verbose=False)
+    budget = int(_budget_between(everything.candidates))
+    fit = sx.plan_for_memory(model, 4, budget, sample_input=x, verbose=False)
+    assert fit.choice.name != everything.choice.name  # the budget ruled out the most preferred
+    assert fit.predicted["total"] * (1 + MARGIN) <= budget and not fit.sdp_kwargs["shard_shared"]
+    measured = measure_rank_step(model, fit.plan, x, y, rank=fit.predicted["rank"], regime=fit.sdp_kwargs["regime"],
+                                 activation_checkpointing=fit.activation_checkpointing)["total"]
+    assert measured <= budget, f"measured {measured / MIB:.2f} MiB over the budget {budget / MIB:.2f} MiB"
+    assert abs(measured - fit.predicted["total"]) <= 0.10 * measured, (measured, fit.predicted)
+
+
+def test_nothing_fits_names_the_budget_and_the_smallest_peak():
+    model, x, _ = mlp_task()
+    with pytest.raises(sx.NoConfigurationFits, match=r"budget of 0\.50 MiB .* smallest predicted peak is") as e:
+        sx.plan_for_memory(model, 4, "512KiB", sample_input=x, verbose=False)
+    smallest = min(c.predicted["total"] for c in e.value.candidates)
+    assert f"{smallest / MIB:.2f} MiB" in str(e.value)
+
+
+@pytest.mark.parametrize("text,size", [("8GiB", 8 * 2 ** 30), ("512MiB", 512 * 2 ** 20), ("1.5GB", 1_500_000_000),
+                                       ("4096", 4096), (" 2 kib ", 2048)])
+def test_sizes(text, size):
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["8QiB", "GiB", "-1GiB", "0", "eight"])
+def test_bad_sizes_are_refused_by_name(text):
+    with pytest.raises(ValueError, match="memory size"):
+        parse_size(text)
+
+
+def test_cli_memory_budget(capsys):
+    assert subnet_plan(["--model", "gpt", "--preset", "deep", "--world-size", "4", "--memory-budget", "9MiB",
+                        "--batch-size", "2", "--seq-len", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "| configuration |" in out and "chosen" in out and "SubnetDataParallel(model, plan, regime=" in out
+    assert subnet_plan(["--model", "gpt", "--preset", "deep", "--memory-budget", "1MiB"]) == 1
+    assert "nothing fits a budget of 1.00 MiB" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        subnet_plan(["--model", "gpt", "--memory-budget", "8QiB"])
+    assert "not a memory size: '8QiB'" in capsys.readouterr().err
+
+
+def test_preference_follows_the_study():
+    """C = 1 (DDP's updates, the study's baseline) first; the C = 0.5 variants in order of their
+    loss at equal FLOPs on the text task; one owner per unit last."""
+    with open(os.path.join(REPO, "docs", "study-cpu", "summary.json")) as f:
+        runs = json.load(f)["tasks"]["pysrc"]["analysis"]["runs"]
+    half = [(level, regime) for level, regime, c in PREFERENCE if c == 0.5]
+    losses = [runs[f"sdp-{level}-{regime}-c0.5"]["protocols"]["flops"]["loss"] for level, regime in half]
+    assert losses == sorted(losses)
+    assert PREFERENCE[0][2] == 1.0 and PREFERENCE[-1][2] == "1/K"
+    assert max(losses) < runs["sdp-block-forward-c0.25"]["protocols"]["flops"]["loss"]
+
+
+def test_without_a_sample_only_model_state_is_counted(capsys):
+    model, _, _ = mlp_task()
+    fit = sx.plan_for_memory(model, 4, "1GiB", optimizer=torch.optim.SGD, verbose=True)
+    assert "activations not counted" in capsys.readouterr().out
+    assert fit.predicted["activations"] == 0 and fit.predicted["optimizer_state"] == 0  # plain SGD keeps none
+    assert not any(c.activation_checkpointing for c in fit.candidates)  # nothing traced to checkpoint
+    assert fit.choice.coverage == 1.0 and fit.sdp_kwargs == {"regime": "forward", "shard_shared": False}

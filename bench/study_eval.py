@@ -58,11 +58,12 @@ def sharded_metrics(model, task, batches: list, device, pad: bool = False) -> tu
 
 def subnetwork_of(full: torch.nn.Module, plan, rank: int) -> torch.nn.Module:
     """Rank `rank`'s subnetwork of the plan, cut from a copy of the full model (forward-regime surgery)."""
+    from subnet_ext.engine.module_swaps import ModuleSwaps
     from subnet_ext.engine.surgery import materialise_forward
     from subnet_ext.planning.pieces import global_pieces
 
-    sub = copy.deepcopy(full)
-    materialise_forward(sub, plan, global_pieces(plan), rank, "none")
+    sub = copy.deepcopy(full)  # a copy: its swaps (width-kept projections) are never undone
+    materialise_forward(sub, plan, global_pieces(plan), rank, "none", ModuleSwaps())
     return sub
 
 

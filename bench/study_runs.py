@@ -30,7 +30,8 @@ from __future__ import annotations
 import math
 import os
 
-# Sizes. "full" is `make study` (2 CPU cores, <= 60 min); "quick" its reduced form (<= 10 min);
+# Sizes. "full" is `make study` (2 CPU cores, <= 60 min); "quick" its reduced form (<= 10 min: at 40
+# text steps it took 10.2 min alone here);
 # "tiny" the CI check of the whole pipeline; "cuda" the same study larger, one GPU per rank.
 _DIGITS = dict(model="mlp", preset=None, data="digits", seq_len=1, batch_size=32, eval_sequences=None,
                lr=3e-3, weight_decay=0.0, runs="small")
@@ -40,8 +41,8 @@ PROFILES = {
         "pysrc": dict(_TEXT, seq_len=64, batch_size=4, steps=120, eval_every=40, eval_sequences=64, warmup_steps=12),
         "digits": dict(_DIGITS, steps=120, eval_every=40, warmup_steps=10)}),
     "quick": dict(seeds=3, cooldown=0.2, wall_time=False, measure_steps=4, timeout=600.0, tasks={
-        "pysrc": dict(_TEXT, seq_len=64, batch_size=4, steps=40, eval_every=20, eval_sequences=24, warmup_steps=4),
-        "digits": dict(_DIGITS, steps=30, eval_every=15, warmup_steps=3)}),
+        "pysrc": dict(_TEXT, seq_len=64, batch_size=4, steps=28, eval_every=14, eval_sequences=24, warmup_steps=3),
+        "digits": dict(_DIGITS, steps=24, eval_every=12, warmup_steps=3)}),
     "tiny": dict(seeds=2, cooldown=0.25, wall_time=False, measure_steps=4, timeout=300.0, tasks={
         "pysrc": dict(_TEXT, seq_len=16, batch_size=2, steps=4, eval_every=4, eval_sequences=8, warmup_steps=1),
         "digits": dict(_DIGITS, batch_size=8, steps=4, eval_every=4, warmup_steps=1)}),

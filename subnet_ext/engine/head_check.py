@@ -102,7 +102,7 @@ def _probe(attn: nn.Module, g, pieces: list[Piece], rank: int, owned: torch.Tens
         if width_kept:
             keep_width(twin, g.path, g, pieces, rank, ModuleSwaps())  # a twin: nothing to undo
         else:
-            slice_group(twin, g.path, g, pieces, rank, int(owned.sum()))
+            slice_group(twin, g.path, g, pieces, rank, int(owned.sum()), ModuleSwaps())  # likewise
         try:
             return _mismatch(_first_tensor(twin(x)), want)
         except Exception as e:  # noqa: BLE001 - reported with the module's name

@@ -31,18 +31,26 @@ def adopt_tensors(replacement: nn.Module, original: nn.Module, skip=()) -> None:
     replacement.train(original.training)
 
 
-def twin(module: nn.Module) -> nn.Module:
-    """A shallow copy of `module`: the same class, attributes, tensors and submodules, with its own
-    registries (parameters, buffers, submodules, hooks: every dict and set in its __dict__) and its
-    instance methods bound to itself, so registering or removing on the twin leaves `module` as
-    it was and the twin computes with what it holds."""
-    twin_module = copy.copy(module)
+def twin(module: nn.Module, cls: type | None = None) -> nn.Module:
+    """A shallow copy of `module`: the same class (or `cls`, a subclass of it that adds no state),
+    attributes, tensors and submodules, with its own registries (parameters, buffers, submodules,
+    hooks: every dict and set in its __dict__) and its instance methods bound to itself, so
+    registering or removing on the twin leaves `module` as it was and the twin computes with
+    what it holds."""
+    if cls is None:
+        twin_module = copy.copy(module)
+    else:
+        if not issubclass(cls, type(module)):
+            raise TypeError(f"twin: a {cls.__name__} cannot be the twin of a {type(module).__name__} "
+                            "(it must be a subclass of the module's class)")
+        twin_module = cls.__new__(cls)
+        twin_module.__dict__.update(vars(module))
     for key, value in vars(module).items():
         if isinstance(value, (dict, set)):
             twin_module.__dict__[key] = value.copy()
         elif getattr(value, "__self__", None) is module and hasattr(value, "__func__"):
             # A method bound to the module in its __dict__ (e.g. a patched forward) must run on the twin.
-            twin_module.__dict__[key] = value.__func__.__get__(twin_module, type(module))
+            twin_module.__dict__[key] = value.__func__.__get__(twin_module, type(twin_module))
     return twin_module
 
 
@@ -51,6 +59,11 @@ class ModuleSwaps:
 
     def __init__(self):
         self._done: list[tuple[nn.Module, str, nn.Module]] = []  # (parent, child name, original)
+        self._originals: dict[int, nn.Module] = {}  # id(replacement) -> the module it stands in for
+
+    def original_of(self, module: nn.Module) -> nn.Module | None:
+        """The user's module `module` stands in for, or None when `module` is not a replacement."""
+        return self._originals.get(id(module))
 
     def swap(self, root: nn.Module, path: str, replacement: nn.Module) -> nn.Module:
         """Put `replacement` where `root.get_submodule(path)` is, in every parent module holding
@@ -64,6 +77,7 @@ class ModuleSwaps:
                 if child is original:
                     parent._modules[name] = replacement
                     self._done.append((parent, name, original))
+        self._originals[id(replacement)] = original
         return original
 
     def undo(self) -> None:
@@ -73,3 +87,4 @@ class ModuleSwaps:
             original.train(parent._modules[name].training)
             parent._modules[name] = original
         self._done.clear()
+        self._originals.clear()

@@ -1,11 +1,13 @@
 """Undo the model surgery: give the user back the model as it was before wrapping.
 
-surgery.py changes the user's modules in place in the forward regime: skipped blocks
-(SkippedBlock), compact Parameters, width and head-count attributes; in the backward regime
-only Parameters' requires_grad (block level) and a sliced root module (owned-slice Parameters,
+surgery.py changes the user's modules in place only where no module swap can: in the forward
+regime, skipped blocks (SkippedBlock) and a sliced root module (compact Parameters, widths), and
+the sliced tensors of the layers it swapped out, released to the meta device; in the backward
+regime, Parameters' requires_grad (block level) and a sliced root module (owned-slice Parameters,
 `*_full` buffers, an instance attribute shadowing a parameter's name). The layers it swapped for
-its own (module_swaps.py: every other sliced layer of the backward regime, width-kept
-projections) are put back by `ModuleSwaps.undo()` before this runs. `restore_structure` puts back,
+its own (module_swaps.py: sliced layers and attentions of the forward regime, width-kept
+projections, sliced layers of the backward regime) are put back by `ModuleSwaps.undo()` before
+this runs. `restore_structure` puts back,
 module by module, what the engine's meta skeleton (a copy of the model taken before
 the surgery) says was there: the same submodule types, parameter and buffer names,
 shapes, dtypes, requires_grad and order, and the same width and head-count attributes. The values of
@@ -48,7 +50,7 @@ def _restore_module(module: nn.Module, original: nn.Module, device: torch.device
         current = module._parameters.get(name)
         if ref is None:
             params[name] = None
-        elif current is None or current.shape != ref.shape or current.dtype != ref.dtype:
+        elif current is None or current.is_meta or current.shape != ref.shape or current.dtype != ref.dtype:
             params[name] = nn.Parameter(torch.empty(ref.shape, dtype=ref.dtype, device=device),
                                         requires_grad=ref.requires_grad)
         else:
@@ -58,7 +60,8 @@ def _restore_module(module: nn.Module, original: nn.Module, device: torch.device
     buffers = {}
     for name, ref in original._buffers.items():
         current = module._buffers.get(name)
-        if ref is None or (current is not None and current.shape == ref.shape and current.dtype == ref.dtype):
+        if ref is None or (current is not None and not current.is_meta and current.shape == ref.shape
+                           and current.dtype == ref.dtype):
             buffers[name] = current
         else:
             buffers[name] = torch.empty_like(ref, device=device) if ref.is_meta else ref.to(device)

@@ -1,11 +1,15 @@
 """Slicing one neuron/head group to the units this rank owns (the forward regime's compact tensors).
 
-Each member tensor of the group is replaced by its owned rows or columns, in global
-order (a fused qkv tensor keeps its q, k, v layout: the owned q heads, then k, then v),
-and the attributes code reads as widths follow: nn.Linear/Conv/norm widths, transformers'
-Conv1D nx/nf, and an attention's head count (`num_heads`, `n_head`) with the widths
-derived from it (`split_size`, `attn_dim`, `n_embd` where they equal heads x head_dim).
-restore.py puts every one of these attributes back on close().
+Each member tensor of the group is replaced by its owned rows or columns, in global order (a
+fused qkv tensor keeps its q, k, v layout: the owned q heads, then k, then v), on the engine's
+stand-in for its layer (sliced_layers.py: swapped in by module_swaps.py, the user's layer set
+aside with that tensor released), and the stand-in's attributes code reads as widths follow:
+nn.Linear/Conv/norm widths, transformers' Conv1D nx/nf. A head group's attention is swapped for
+its twin, whose head count (`num_heads`, `n_head`) and the widths derived from it (`split_size`,
+`attn_dim`, `n_embd` where they equal heads x head_dim) become the kept heads'. The user's modules
+keep their attributes; close() swaps them back and restore.py re-creates their tensors.
+A tensor of the root module itself cannot be swapped out: it is sliced in place, and restore.py
+puts it and its module's widths back.
 """
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ import torch
 import torch.nn as nn
 
 from ..planning.pieces import Piece, owned_indices
+from .module_swaps import ModuleSwaps, twin
+from .sliced_layers import release, sliced_stand_in
 
 WIDTH_ATTRS = {0: ("out_features", "out_channels", "num_features", "normalized_shape"),
                1: ("in_features", "in_channels")}
@@ -69,25 +75,45 @@ def consumer_member(group):
     return next(m for m in group.members if split_name(m.name)[0] in group.consumers and not m.buffer)
 
 
-def slice_group(root: nn.Module, prefix: str, group, pieces: list[Piece], rank: int, kept: int) -> None:
-    """Slice `group`'s members in `root` to this rank's units, in place.
+def stand_in(root: nn.Module, path: str, swaps: ModuleSwaps, make) -> nn.Module:
+    """The engine's module at `path` in `root`: the one already swapped in there, else `make(module)`
+    swapped in for the user's (recorded in `swaps`); the root itself when path is "" (never swapped)."""
+    module = root.get_submodule(path)
+    if not path or swaps.original_of(module) is not None:
+        return module
+    replacement = make(module)
+    swaps.swap(root, path, replacement)
+    return replacement
+
+
+def compact_copy(full: torch.Tensor, dim: int, idx: torch.Tensor) -> torch.Tensor:
+    """The rows (dim 0) or columns (dim 1) `idx` of `full`, in that order, as a new contiguous tensor."""
+    with torch.no_grad():
+        return full.detach().index_select(dim, idx.to(full.device)).contiguous()
+
+
+def slice_group(root: nn.Module, prefix: str, group, pieces: list[Piece], rank: int, kept: int,
+                swaps: ModuleSwaps) -> None:
+    """Slice `group`'s members in `root` to this rank's units, swapping the engine's stand-ins in
+    for their modules (recorded in `swaps`; module docstring).
 
     root: the model (prefix "") or a copy of the group's module (prefix: its path in the
     model, stripped from the members' names). kept: units of the group this rank owns."""
     strip = len(prefix) + 1 if prefix else 0
+    if group.kind == "head":
+        attn = stand_in(root, group.path[strip:], swaps, twin)
+        fix_head_attrs(attn, group.size, kept, consumer_member(group).width)
     for name in dict.fromkeys(m.name for m in group.members):  # a fused tensor is listed once per block
         dim, idx = owned_indices(pieces, rank, name)
-        buffer = not any(m.name == name and not m.buffer for m in group.members)
-        local = name[strip:]
-        full = root.get_parameter(local) if not buffer else root.get_buffer(local)
-        with torch.no_grad():
-            compact = full.detach().index_select(dim, idx.to(full.device)).contiguous()
-        replace_tensor(root, local, compact)
-        module = root.get_submodule(split_name(local)[0])
-        if type(module).__name__ == "Conv1D":  # weight [in, out]: nf outputs, nx inputs
-            module.nx, module.nf = module.weight.shape
+        path, leaf = split_name(name[strip:])
+        layer = stand_in(root, path, swaps, sliced_stand_in)
+        registry = layer._parameters if leaf in layer._parameters else layer._buffers
+        replace_tensor(layer, leaf, compact_copy(registry[leaf], dim, idx))
+        if swaps.original_of(layer) is not None:
+            release(swaps.original_of(layer), leaf)
+        if isinstance(getattr(layer, "owned", None), dict):
+            layer.owned[leaf] = (dim, idx)
+        if type(layer).__name__ == "Conv1D":  # weight [in, out]: nf outputs, nx inputs
+            layer.nx, layer.nf = layer.weight.shape
         else:
-            _fix_width_attrs(module, dim, compact.shape[dim])
-    if group.kind == "head":
-        attn = root.get_submodule(group.path[strip:])
-        fix_head_attrs(attn, group.size, kept, consumer_member(group).width)
+            _fix_width_attrs(layer, dim, registry[leaf].shape[dim])

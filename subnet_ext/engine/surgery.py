@@ -1,7 +1,8 @@
 """Module surgery: turn the full model into this rank's subnetwork, in place.
 
-Forward regime (`materialise_forward`): sliced tensors become compact (only the owned
-rows/columns, in global order), skipped blocks are replaced by their shortcut path, so
+Forward regime (`materialise_forward`): sliced layers are swapped for the engine's compact
+stand-ins (sliced_layers.py: only the owned rows/columns, in global order; the user's layers set
+aside with those tensors released), skipped blocks are replaced by their shortcut path, so
 the memory of what is not owned is released.
 
 Backward regime (`prepare_backward`): the full tensors stay (the forward is the full
@@ -112,10 +113,11 @@ class _InverseScale:
 
 def materialise_forward(model: nn.Module, plan, pieces: list[Piece], rank: int, scale: str,
                         swaps: ModuleSwaps) -> list:
-    """Forward regime, in place. Returns the hook handles it installed (scale="inverse"). Head
-    groups whose module cannot run sliced keep their width (width_keeping.py: their projections
-    are swapped, recorded in `swaps`), recorded in plan.width_kept ({module path: why}) for
-    plan.summary()."""
+    """Forward regime, in place. Returns the hook handles it installed (scale="inverse"). Sliced
+    layers and the attentions of sliced head groups are swapped for the engine's (slicing.py,
+    recorded in `swaps`). Head groups whose module cannot run sliced keep their width
+    (width_keeping.py: their projections are swapped too), recorded in plan.width_kept
+    ({module path: why}) for plan.summary()."""
     if plan.level == "block":
         for g, (a, _) in zip(plan.groups, plan.unit_ranges):
             if not bool(plan.owners[rank, a]):
@@ -127,16 +129,16 @@ def materialise_forward(model: nn.Module, plan, pieces: list[Piece], rank: int, 
     # Before any surgery: a refusal leaves the model as it was. Groups that cannot run sliced keep their width.
     width_kept = check_sliced_heads(model, plan, pieces, rank)
     plan.width_kept.update(width_kept)
-    handles = []
     for g, (a, b) in zip(plan.groups, plan.unit_ranges):
-        kept = int(plan.owners[rank, a:b].sum())
         if g.path in width_kept:
             keep_width(model, "", g, pieces, rank, swaps)
         else:
-            slice_group(model, "", g, pieces, rank, kept)
-        if scale == "inverse":
-            for c in g.consumers:
-                handles.append(model.get_submodule(c).register_forward_pre_hook(_InverseScale(g.size / kept)))
+            slice_group(model, "", g, pieces, rank, int(plan.owners[rank, a:b].sum()), swaps)
+    handles = []  # on the consumers the model now runs, every swap done
+    if scale == "inverse":
+        for g, (a, b) in zip(plan.groups, plan.unit_ranges):
+            factor = g.size / int(plan.owners[rank, a:b].sum())
+            handles += [model.get_submodule(c).register_forward_pre_hook(_InverseScale(factor)) for c in g.consumers]
     return handles
 
 

@@ -28,7 +28,8 @@ import torch.nn as nn
 from .. import ops
 from ..planning.pieces import Piece, owned_indices
 from .module_swaps import ModuleSwaps, adopt_tensors
-from .slicing import replace_tensor, split_name
+from .sliced_layers import release
+from .slicing import compact_copy, replace_tensor, split_name
 
 
 def keepable(root: nn.Module, prefix: str, group) -> bool:
@@ -61,9 +62,9 @@ class WidthKeptLinear(nn.Module):
 
 
 def keep_width(root: nn.Module, prefix: str, group, pieces: list[Piece], rank: int, swaps: ModuleSwaps) -> None:
-    """Slice `group`'s member tensors in `root` to this rank's units (compact, in global order) and
-    swap its modules for WidthKeptLinear layers (recorded in `swaps`), in place (module docstring).
-    root/prefix as slice_group's."""
+    """Swap `group`'s modules in `root` for WidthKeptLinear layers (recorded in `swaps`) holding the
+    member tensors sliced to this rank's units (compact, in global order); the user's modules are
+    set aside with those tensors released (module docstring). root/prefix as slice_group's."""
     strip = len(prefix) + 1 if prefix else 0
     by_module = {}
     for name in dict.fromkeys(m.name for m in group.members):
@@ -71,16 +72,14 @@ def keep_width(root: nn.Module, prefix: str, group, pieces: list[Piece], rank: i
     for path, names in by_module.items():
         module = root.get_submodule(path)
         consumer = (prefix + "." + path if prefix else path) in group.consumers
-        width = module.weight.shape[0]  # the full output width (before slicing)
-        for name in names:
-            dim, idx = owned_indices(pieces, rank, name)
-            local = name[strip:]
-            full = root.get_parameter(local)
-            with torch.no_grad():
-                compact = full.detach().index_select(dim, idx.to(full.device)).contiguous()
-            replace_tensor(root, local, compact)
         _, idx = owned_indices(pieces, rank, names[0])  # a producer's bias shares its weight's rows
         idx = idx.to(module.weight.device)
         # Producer: owned output rows scattered into the full width. Consumer: owned input columns.
-        layer = WidthKeptLinear(module, None, idx, None) if consumer else WidthKeptLinear(module, idx, None, width)
+        layer = WidthKeptLinear(module, None, idx, None) if consumer else \
+            WidthKeptLinear(module, idx, None, module.weight.shape[0])
         swaps.swap(root, path, layer)
+        for name in names:
+            dim, owned = owned_indices(pieces, rank, name)
+            leaf = split_name(name)[1]
+            replace_tensor(layer, leaf, compact_copy(layer._parameters[leaf], dim, owned))
+            release(module, leaf)

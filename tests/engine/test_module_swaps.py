@@ -28,6 +28,7 @@ from subnet_ext.engine import surgery
 from subnet_ext.engine.module_swaps import ModuleSwaps, twin
 from subnet_ext.engine.owned_conv import OwnedConv2d
 from subnet_ext.engine.owned_linear import OwnedLinear
+from subnet_ext.engine.sliced_layers import SlicedConv2d, SlicedLinear
 from subnet_ext.engine.width_keeping import WidthKeptLinear
 from subnet_ext.models.gpt import GPT, GPTConfig
 from subnet_ext.models.resnet import resnet18
@@ -134,7 +135,60 @@ def test_width_kept_projections_are_swapped(monkeypatch):
     assert [n for n, _ in model.named_parameters()] == names_before  # the compact weights keep their names
     for path in kept:
         assert sorted(vars(originals[path])) == before[path][0], path  # no attribute added to the user's layer
-        assert model.get_submodule(path).weight is originals[path].weight
+        layer, original = model.get_submodule(path), originals[path]
+        assert original.weight.is_meta and original.in_features == 32, path  # released, its widths kept
+        assert layer.weight.numel() * 2 == original.weight.numel(), path  # the compact weight: half the heads
+
+
+def check_forward_swaps(model, layer_type, attention: bool = False) -> None:
+    """Forward regime, neuron level, simulated rank 0 of 2 at C=0.5: each sliced nn.Linear /
+    nn.Conv2d is a Sliced* layer, any other sliced layer (and a sliced head group's attention) a
+    twin of the user's class; the user's modules keep their attributes (widths, head counts) and
+    class, lose only the sliced tensors (meta, full shape), and keep their unsliced Parameters."""
+    plan = plan_quietly(model, 2, 0.5, "neuron")
+    originals, before = dict(model.named_modules()), user_view(model)
+    attrs = {path: {k: v for k, v in vars(m).items() if isinstance(v, int)} for path, m in model.named_modules()}
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    sliced = {m.name for g in plan.groups for m in g.members}
+    heads = {g.path for g in plan.groups if g.kind == "head"} if attention else set()
+    sdp = sx.SubnetDataParallel(model, plan, regime="forward", simulate_rank=0)
+    swapped = {path for path, m in model.named_modules() if m is not originals.get(path)}
+    assert swapped == sliced_paths(plan) | heads, (swapped ^ (sliced_paths(plan) | heads))
+    assert any(isinstance(model.get_submodule(p), layer_type) for p in swapped), swapped
+    assert [n for n, _ in model.named_parameters()] == list(shapes)  # no name moves
+    for path in swapped:
+        layer, original = model.get_submodule(path), originals[path]
+        exact = {nn.Linear: SlicedLinear, nn.Conv2d: SlicedConv2d}.get(type(original), type(original))
+        assert type(layer) is exact, (path, type(layer))
+        assert sorted(vars(original)) == before[path][0], path  # nothing added to the user's module
+        assert {k: v for k, v in vars(original).items() if isinstance(v, int)} == attrs[path], path
+        for leaf, param in original._parameters.items():
+            name = f"{path}.{leaf}" if path else leaf
+            if name in sliced:  # released to meta, full shape; the stand-in holds the owned half
+                assert param.is_meta and param.shape == shapes[name], name
+                assert layer._parameters[leaf].numel() * 2 == param.numel(), name
+            elif param is not None:
+                assert layer._parameters[leaf] is param and id(param) == before[path][1][leaf], name
+    for path in heads:
+        layer, original = model.get_submodule(path), originals[path]
+        assert layer.n_head * 2 == original.n_head, path  # the twin runs the kept heads
+    assert all(isinstance(m.owned, dict) and m.owned for m in model.modules() if isinstance(m, (SlicedLinear, SlicedConv2d)))
+    assert sdp.layout is not None
+
+
+def test_forward_regime_swaps_sliced_layers_and_keeps_the_users_modules():
+    check_forward_swaps(make_model(), SlicedLinear)
+
+
+def test_forward_regime_swaps_sliced_convs_and_norms():
+    torch.manual_seed(0)
+    check_forward_swaps(resnet18(num_classes=5, in_channels=1, width=4), SlicedConv2d)
+
+
+def test_forward_regime_swaps_a_sliced_attention_for_its_twin():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=32, n_layer=2, n_head=4, n_embd=32))
+    check_forward_swaps(model, SlicedLinear, attention=True)
 
 
 def _close_worker(rank, world):
@@ -146,7 +200,7 @@ def _close_worker(rank, world):
         params_before = {n: id(p) for n, p in model.named_parameters()}
         keys_before = list(model.state_dict())
         sdp = sx.SubnetDataParallel(model, plan_quietly(model, world, 0.5, "neuron"), regime=regime)
-        swapped = sum(isinstance(m, (OwnedLinear, OwnedConv2d)) for m in model.modules())
+        swapped = sum(isinstance(m, (OwnedLinear, OwnedConv2d, SlicedLinear, SlicedConv2d)) for m in model.modules())
         train(sdp, torch.optim.SGD(sdp.parameters(), lr=0.1), rank, 2)
         fresh.load_state_dict(sdp.full_state_dict())
         sdp.close()
@@ -163,7 +217,7 @@ def _close_worker(rank, world):
 def test_close_puts_the_users_layers_back():
     for rank_results in run_distributed(_close_worker, 2, timeout=300.0):
         for r in rank_results:
-            assert r["swapped"] > 0 or r["regime"] == "forward", r
+            assert r["swapped"] > 0 and r["same_modules"], r  # the swapped layers come back as the same objects
             assert r["same_output"] and r["same_keys"], r
-            if r["regime"] == "backward":  # the swapped layers come back as the same objects
-                assert r["same_modules"] and r["same_params"], r
+            if r["regime"] == "backward":  # the forward regime re-creates the tensors it released
+                assert r["same_params"], r

@@ -18,14 +18,16 @@ expected size of the residual updates matches training's.
 The blocks are those SDP's planner finds, their branches the traced residual adds'
 other operands (GPT: attn and mlp; LLaMA: self_attn and mlp; residual MLP: fc2). Blocks
 whose skip path is not their input (ResNet's projection or ReLU after the sum) are refused.
+Each block is swapped (engine/module_swaps.py) for a twin of a subclass of its class that may
+drop it (`droppable_class`): the same attributes, children, hooks (activation checkpointing's
+included) and parameter names; `remove()` puts the blocks back.
 """
 from __future__ import annotations
-
-import types
 
 import torch
 import torch.nn as nn
 
+from ..engine.module_swaps import ModuleSwaps, twin
 from .run_checkpoints import stream_seed
 
 
@@ -56,12 +58,26 @@ def residual_branches(model: nn.Module) -> dict[str, tuple[str, ...]]:
     return out
 
 
-def _stochastic_forward(self, *args, **kwargs):
-    """The block's forward, or (training, dropped this step) its first argument unchanged."""
-    controller = self._stochastic_depth
-    if self.training and not controller.kept(self._stochastic_depth_index):
-        return args[0] if args else next(iter(kwargs.values()))
-    return self._stochastic_depth_inner(*args, **kwargs)
+class _Droppable:
+    """The block's forward, or (training, dropped this step) its first argument unchanged.
+    Mixed in before the block's class (droppable_class); `stochastic_depth` (the controller) and
+    `stochastic_depth_index` (the block's index in its draws) are set on the twin."""
+
+    def forward(self, *args, **kwargs):
+        """x (the block's input) when this step drops the block in training, else the block's forward."""
+        if self.training and not self.stochastic_depth.kept(self.stochastic_depth_index):
+            return args[0] if args else next(iter(kwargs.values()))
+        return super().forward(*args, **kwargs)
+
+
+_DROPPABLE: dict[type, type] = {}
+
+
+def droppable_class(cls: type) -> type:
+    """The subclass of block class `cls` that stochastic depth swaps in (one per class, no state of its own)."""
+    if cls not in _DROPPABLE:
+        _DROPPABLE[cls] = type(f"Droppable{cls.__name__}", (_Droppable, cls), {"__module__": __name__})
+    return _DROPPABLE[cls]
 
 
 class _ScaleAtEval:
@@ -102,14 +118,21 @@ class StochasticDepth:
         self.step = 0
         self.scale_at_eval = True
         self._cached = (None, None)
+        self._swaps, self._hooks = ModuleSwaps(), []
         for index, (path, names) in enumerate(branches.items()):
             block = model.get_submodule(path)
-            block._stochastic_depth = self
-            block._stochastic_depth_index = index
-            block._stochastic_depth_inner = block.forward  # the class forward, or activation checkpointing's
-            block.forward = types.MethodType(_stochastic_forward, block)
+            droppable = twin(block, droppable_class(type(block)))
+            droppable.stochastic_depth, droppable.stochastic_depth_index = self, index
+            self._swaps.swap(model, path, droppable)
             for name in names:
-                block.get_submodule(name).register_forward_hook(_ScaleAtEval(self))
+                self._hooks.append(block.get_submodule(name).register_forward_hook(_ScaleAtEval(self)))
+
+    def remove(self) -> None:
+        """Put the model's own blocks back and remove the evaluation scaling (the model as it was)."""
+        self._swaps.undo()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
 
     def kept_blocks(self, step: int, rank: int) -> list[bool]:
         """Which blocks rank `rank` keeps at optimizer step `step` (0-based), one bool per block."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import types
 
 import torch
 import torch.nn as nn
@@ -99,22 +98,14 @@ def autocast(device: torch.device, precision: str):
     return torch.autocast(device.type, dtype=PRECISIONS[precision])
 
 
-def _checkpointed_forward(self, *args, **kwargs):
-    """The block's class forward, recomputed in backward (non-reentrant checkpoint).
-
-    Installed as a method bound to the block (types.MethodType), not as a closure over
-    the block's bound forward: a deep copy of the model (the planner's meta copy for FLOP
-    tracing, the engine's skeleton) then calls its own copy, not the original block."""
-    return torch.utils.checkpoint.checkpoint(type(self).forward, self, *args, use_reentrant=False, **kwargs)
-
-
 def apply_activation_checkpointing(model: nn.Module) -> int:
     """Recompute each residual block in backward instead of keeping its activations.
 
     The project's blocks (llama decoder layers, GPT blocks, ResNet BasicBlock/Bottleneck,
-    residual-MLP blocks) get their instance `forward` wrapped in non-reentrant
-    torch.utils.checkpoint: parameter names and modules stay as they are, so the plan, SDP's
-    surgery (which may replace a whole block) and DDP/FSDP wrapping see the same model. A transformers model
+    residual-MLP blocks) get torch's composable `checkpoint` (non-reentrant, installed as
+    forward hooks): parameter names, modules and classes stay as they are, so the plan, SDP's
+    surgery (which may replace a whole block) and DDP/FSDP wrapping see the same model, and a
+    copy of the model (the planner's meta copy, the engine's skeleton) checkpoints its own blocks. A transformers model
     uses its own gradient_checkpointing_enable. Call before wrapping. Returns the number
     of blocks wrapped (-1: the transformers model's own mechanism).
 
@@ -134,8 +125,10 @@ def apply_activation_checkpointing(model: nn.Module) -> int:
     blocks = [m for m in model.modules() if isinstance(m, kinds)]
     if not blocks:
         raise ValueError(f"--activation-checkpointing: {type(model).__name__} has no residual blocks to checkpoint")
+    from torch.distributed._composable import checkpoint
+
     for block in blocks:
-        block.forward = types.MethodType(_checkpointed_forward, block)
+        checkpoint(block)
     return len(blocks)
 
 

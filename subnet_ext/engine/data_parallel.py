@@ -190,9 +190,9 @@ class SubnetDataParallel(DDPInterface, EngineParts, nn.Module):
             if self._refresh is not None and sync_point:
                 self._refresh()
 
-    def _state_access(self, what: str) -> tuple[RankLayout, object]:
-        """(layout, process group) for a method that reads or writes pieces, once the engine is
-        known to be open and FSDP2's shards are back in the model (a forward without its
+    def state_access(self, what: str) -> tuple[RankLayout, object]:
+        """(layout, process group) for a method that reads or writes pieces (the engine's own, the
+        EMA's, subnet checkpoints'), `what` naming it in errors, once the engine is known to be open and FSDP2's shards are back in the model (a forward without its
         backward leaves them gathered): resharding is this explicit step, never a lookup's."""
         self._check_open(what)
         if self._shards is not None:
@@ -231,8 +231,8 @@ class SubnetDataParallel(DDPInterface, EngineParts, nn.Module):
         the CPU with `cpu_offload`. residual_scale="owner_fraction" (block level) scales each block's
         residual branches by owners / K in the weights (residual_scale.py). Collective: every rank
         must call it. See state/full_gather.py."""
-        layout, group = self._state_access("full_state_dict")
-        self._refuse_if_simulated("full_state_dict")
+        layout, group = self.state_access("full_state_dict")
+        self.check_not_simulated("full_state_dict")
         check_residual_scale(residual_scale)
         full = with_aliases(self.plan, assemble(layout, reduce=True, process_group=group, timeout=self.config.timeout,
                                                 rank0_only=rank0_only, cpu_offload=cpu_offload))
@@ -240,7 +240,7 @@ class SubnetDataParallel(DDPInterface, EngineParts, nn.Module):
 
     def local_full_state_dict(self) -> dict:
         """This rank's values in the original names and shapes, NaN where it holds nothing."""
-        layout, _ = self._state_access("local_full_state_dict")
+        layout, _ = self.state_access("local_full_state_dict")
         if self.config.regime == "backward":
             own = assemble(layout, reduce=False) if layout.sharded else {}  # shard rows
             return with_aliases(self.plan, {n: own[n] if n in layout.sharded else layout.value_of(n).detach().clone()
@@ -249,7 +249,7 @@ class SubnetDataParallel(DDPInterface, EngineParts, nn.Module):
 
     def load_full_state_dict(self, state_dict: dict) -> None:
         """Start from a full-model state dict (e.g. a checkpoint of the unmasked model)."""
-        layout, _ = self._state_access("load_full_state_dict")
+        layout, _ = self.state_access("load_full_state_dict")
         load_pieces(layout, without_aliases(self.plan, state_dict))
 
     @collective_method(agree=("rank0_only",))
@@ -258,7 +258,7 @@ class SubnetDataParallel(DDPInterface, EngineParts, nn.Module):
         """The optimizer state in torch's full format (get_optimizer_state_dict(..., full_state_dict=True)
         of DDP/FSDP2): {"state": {name: {"exp_avg": [param shape], ..., "step": 0-d}}, "param_groups":
         [{..., "params": [name, ...]}]}; options as full_state_dict's. Collective. See state/full_optim_state.py."""
-        layout, group = self._state_access("full_optimizer_state_dict")
+        layout, group = self.state_access("full_optimizer_state_dict")
         return full_optim_state.full_optimizer_state_dict(layout, optimizer, group, self.config.timeout,
                                                           rank0_only, cpu_offload)
 
@@ -266,14 +266,14 @@ class SubnetDataParallel(DDPInterface, EngineParts, nn.Module):
                                        strict: bool = True) -> None:
         """Give `optimizer` (over this engine's parameters) its share of a full optimizer state
         (SDP's, or torch's full one from DDP/FSDP2); `strict=False` as torch's option."""
-        layout, _ = self._state_access("load_full_optimizer_state_dict")
+        layout, _ = self.state_access("load_full_optimizer_state_dict")
         full_optim_state.load_full_optimizer_state_dict(layout, optimizer, state, strict)
 
     @collective_method
     def verify_consistency(self) -> None:
         """Raise ConsistencyError naming the unit and the ranks unless the owners of every
         unit hold bit-identical values. Collective; call it at a synchronisation point."""
-        layout, group = self._state_access("verify_consistency")
+        layout, group = self.state_access("verify_consistency")
         consistency.verify_consistency(layout, group, self.config.timeout)
 
     def gradients_finite(self) -> bool:
@@ -288,7 +288,7 @@ class SubnetDataParallel(DDPInterface, EngineParts, nn.Module):
         method); returns that norm (0-d), the same on every rank. Collective; call it after
         backward, before optimizer.step(). With sync_every > 1 it clips each rank by its own
         gradients' norm (local SGD). See clipping.py."""
-        layout, _ = self._state_access("clip_grad_norm_")
+        layout, _ = self.state_access("clip_grad_norm_")
         communicate = self.world_size > 1 and not self._simulated and dist.is_initialized()
         return clipping.clip_grad_norm_(layout, max_norm, norm_type, error_if_nonfinite, foreach,
                                         local_sgd=self.config.sync_every > 1, communicate=communicate,
@@ -314,7 +314,7 @@ class SubnetDataParallel(DDPInterface, EngineParts, nn.Module):
         self._check_open("evaluate")
         check_residual_scale(residual_scale)
         if "full" in evaluation.check_request(modes, loss_fn, targets)[0]:
-            self._refuse_if_simulated("evaluate(modes=('full', ...))")
+            self.check_not_simulated("evaluate(modes=('full', ...))")
         communicate = self.world_size > 1 and not self._simulated  # simulated: its own subnetwork alone
         out = evaluation.evaluate(self.module, self._skeleton, self.plan, inputs, modes,
                                   lambda: self.full_state_dict(residual_scale=residual_scale),
@@ -329,7 +329,8 @@ class SubnetDataParallel(DDPInterface, EngineParts, nn.Module):
                         "For an EMA (AveragedModel, torchvision's or timm's) use subnet_ext.ExponentialMovingAverage("
                         "sdp, decay); for a copy of the model, sdp.full_model() (collective).")
 
-    def _refuse_if_simulated(self, what: str) -> None:
+    def check_not_simulated(self, what: str) -> None:
+        """Raise for `what` (a method needing every rank's process) on an engine built with simulate_rank."""
         refuse_if_simulated(what, self._simulated, self.rank, self.world_size)
 
     def comm_stats(self) -> dict:
@@ -348,7 +349,7 @@ class SubnetDataParallel(DDPInterface, EngineParts, nn.Module):
         bucket (comm/averaging.py) counts its own bytes as a gradient (not the whole
         bucket); `communication_buffers` counts the buckets whole, so the two overlap by
         `gradients_in_buffers`; `refresh_buffer`: the backward regime's refresh buffer."""
-        layout, _ = self._state_access("memory_report")
+        layout, _ = self.state_access("memory_report")
         return reports.memory_report(self.module, layout.local_tensors(), self._averager, self._device,
                                      optimizer, self._shards, self._refresh)
 

@@ -51,14 +51,14 @@ class ExponentialMovingAverage(nn.Module):
         super().__init__()
         if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay <= 1.0:
             raise ValueError(f"ExponentialMovingAverage: decay must be a number in [0, 1], got {decay!r}")
-        if not hasattr(sdp, "_layout") or not hasattr(sdp, "_call_ledger"):
+        if not hasattr(sdp, "state_access") or not hasattr(sdp, "call_ledger"):
             raise TypeError(f"ExponentialMovingAverage averages a SubnetDataParallel's model, got "
                             f"{type(sdp).__name__}; for a plain or DDP model use torch.optim.swa_utils.AveragedModel")
         self.__dict__["_engine"] = sdp  # not a submodule: its state dict is this rank's subnetwork
         self.decay, self.use_buffers = float(decay), bool(use_buffers)
         # A 0-d long tensor, as AveragedModel's (torchvision's loop resets it with n_averaged.fill_(0)).
         self.register_buffer("n_averaged", torch.tensor(0, dtype=torch.long), persistent=False)
-        self._device = torch.device(device) if device is not None else sdp._device
+        self._device = torch.device(device) if device is not None else sdp.device
         self._cache, self._cached_at = None, None
         layout = self._layout("ExponentialMovingAverage")
         with torch.no_grad():
@@ -72,7 +72,7 @@ class ExponentialMovingAverage(nn.Module):
 
     # ------------------------------------------------------------------ what this rank averages
     def _layout(self, what: str) -> RankLayout:
-        layout, _ = self._engine._state_access(what)
+        layout, _ = self._engine.state_access(what)
         return layout
 
     def _current(self, layout: RankLayout) -> dict:
@@ -121,8 +121,8 @@ class ExponentialMovingAverage(nn.Module):
         full_state_dict() assembles the model's. Collective; options as full_state_dict's."""
         engine = self._engine
         with engine.call_ledger.collective("ExponentialMovingAverage.full_state_dict"):
-            layout, group = engine._state_access("ExponentialMovingAverage.full_state_dict")
-            engine._refuse_if_simulated("ExponentialMovingAverage.full_state_dict")
+            layout, group = engine.state_access("ExponentialMovingAverage.full_state_dict")
+            engine.check_not_simulated("ExponentialMovingAverage.full_state_dict")
             written = {key: average for key, average in self._averages.items() if key in self._writes}
             return with_aliases(engine.plan, _assemble(layout, written, group, engine.config.timeout, rank0_only,
                                                        cpu_offload))
@@ -169,7 +169,7 @@ class ExponentialMovingAverage(nn.Module):
         """A new model (the original class) holding the averaged values. Collective."""
         engine = self._engine
         with engine.call_ledger.collective("ExponentialMovingAverage.full_model"):
-            return evaluation.full_model(engine._skeleton, engine.plan, self.full_state_dict())
+            return evaluation.full_model(engine.skeleton, engine.plan, self.full_state_dict())
 
     @property
     def module(self) -> nn.Module:

@@ -6,6 +6,9 @@ engine never needs its private attributes and cannot replace a part behind its b
 """
 from __future__ import annotations
 
+import torch
+import torch.nn as nn
+
 from ..comm.averaging import BucketedAverager
 from ..comm.call_check import CallLedger
 from ..comm.communicator import Communicator
@@ -15,7 +18,18 @@ from .shared_shards import SharedShards
 
 
 class EngineParts:
-    """layout, communicator, averager, refresh, shared_shards and call_ledger of a SubnetDataParallel."""
+    """device, skeleton, layout, communicator, averager, refresh, shared_shards and call_ledger of a SubnetDataParallel."""
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the model's first parameter when wrapped: where this rank's tensors live."""
+        return self._device
+
+    @property
+    def skeleton(self) -> nn.Module:
+        """The model as it was before the surgery, its parameters and persistent buffers on the meta
+        device (restore.meta_skeleton): the names, shapes and classes a full model is rebuilt from."""
+        return self._skeleton
 
     @property
     def layout(self) -> RankLayout:

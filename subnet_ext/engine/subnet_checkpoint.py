@@ -28,7 +28,7 @@ def save_subnet_checkpoint(save_dir: str, step: int, sdp: SubnetDataParallel, op
     same model (another world size, coverage, level or regime). See
     state/checkpoint.save_checkpoint for `manifest`, `keep_last`, `extra_files`, `per_rank`."""
     with sdp.call_ledger.collective("save_subnet_checkpoint"):  # every rank, in the order of its collectives
-        layout, group = sdp._state_access("save_subnet_checkpoint")
+        layout, group = sdp.state_access("save_subnet_checkpoint")
         return save_layout_checkpoint(save_dir, step, layout, optimizer, manifest, group=group, keep_last=keep_last,
                                       extra_files=extra_files, per_rank=per_rank)
 
@@ -44,5 +44,5 @@ def load_subnet_checkpoint(path: str, sdp: SubnetDataParallel, optimizer=None, *
         CheckpointError: no good checkpoint. ValueError: a checkpoint of another model.
     """
     with sdp.call_ledger.collective("load_subnet_checkpoint"):
-        layout, group = sdp._state_access("load_subnet_checkpoint")
+        layout, group = sdp.state_access("load_subnet_checkpoint")
         return load_layout_checkpoint(path, layout, optimizer, group=group, verified_manifest=verified_manifest)

@@ -51,6 +51,43 @@ def test_training_skips_dropped_blocks_and_evaluation_scales_branches():
     assert torch.allclose(model(idx)[0], _by_hand(reference, idx, [True, True], 1.0), atol=1e-6)
 
 
+def test_blocks_are_swapped_not_patched_and_remove_puts_them_back():
+    """Each block is a twin of a subclass of its class (the model's names and the user's block
+    objects unchanged, nothing set on them); with activation checkpointing installed first, the
+    blocks keep less for the backward (recomputed), and a step keeping every block gives the plain
+    model's gradients bit for bit; remove() restores the model's own blocks and its unscaled evaluation."""
+    from subnet_ext.cli.training import apply_activation_checkpointing
+    from subnet_ext.models.gpt import Block
+
+    model = _gpt()
+    reference = copy.deepcopy(model)
+    apply_activation_checkpointing(model)
+    blocks, names = list(model.transformer.h), [n for n, _ in model.named_parameters()]
+    attrs = [sorted(vars(b)) for b in blocks]
+    sd = StochasticDepth(model, drop=0.5, seed=4, rank=1)
+    swapped = list(model.transformer.h)
+    assert all(isinstance(b, Block) and type(b) is not Block and b is not o for b, o in zip(swapped, blocks))
+    assert [n for n, _ in model.named_parameters()] == names
+    assert [sorted(vars(b)) for b in blocks] == attrs  # nothing set on the model's own blocks
+    idx = torch.randint(0, 128, (2, 16))
+    sd.step = next(s for s in range(64) if all(sd.kept_blocks(s, 1)))  # a step keeping every block
+    saved = {model: 0, reference: 0}  # bytes autograd keeps for the backward, per model
+    for m in saved:
+        def keep(t, m=m):
+            saved[m] += t.numel() * t.element_size()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            loss = m(idx)[0].pow(2).mean()
+        loss.backward()
+    assert saved[model] < saved[reference] / 2, saved  # the blocks' activations are recomputed, not kept
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+    sd.remove()
+    assert list(model.transformer.h) == blocks and all(type(b) is Block for b in model.transformer.h)
+    model.eval(), reference.eval()
+    torch.testing.assert_close(model(idx)[0], reference(idx)[0], rtol=0, atol=0)  # no scaling left
+
+
 def test_draws_are_reproducible_per_rank_and_keep_the_survival_rate():
     model = _gpt()
     sd = StochasticDepth(model, drop=0.25, seed=0, rank=0)

@@ -73,9 +73,9 @@ class LinearStochasticDepth(StochasticDepth):
         if len(drops) != len(self.blocks):
             raise ValueError(f"{len(drops)} drop rates for {len(self.blocks)} blocks")
         self.drops = torch.tensor(drops, dtype=torch.float64)
-        from subnet_ext.cli.stochastic_depth import _ScaleAtEval, residual_branches
+        from subnet_ext.cli.stochastic_depth import _ScaleAtEval
 
-        for (path, names), drop in zip(residual_branches(model).items(), drops):
+        for (path, names), drop in zip(self.branches.items(), drops):
             for name in names:
                 for hook in model.get_submodule(path).get_submodule(name)._forward_hooks.values():
                     if isinstance(hook, _ScaleAtEval):

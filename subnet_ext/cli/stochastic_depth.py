@@ -24,8 +24,11 @@ included) and parameter names; `remove()` puts the blocks back.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
+from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 
 from ..engine.module_swaps import ModuleSwaps, twin
 from .run_checkpoints import stream_seed
@@ -58,25 +61,27 @@ def residual_branches(model: nn.Module) -> dict[str, tuple[str, ...]]:
     return out
 
 
-class _Droppable:
-    """The block's forward, or (training, dropped this step) its first argument unchanged.
-    Mixed in before the block's class (droppable_class); `stochastic_depth` (the controller) and
-    `stochastic_depth_index` (the block's index in its draws) are set on the twin."""
-
-    def forward(self, *args, **kwargs):
-        """x (the block's input) when this step drops the block in training, else the block's forward."""
-        if self.training and not self.stochastic_depth.kept(self.stochastic_depth_index):
-            return args[0] if args else next(iter(kwargs.values()))
-        return super().forward(*args, **kwargs)
-
-
 _DROPPABLE: dict[type, type] = {}
 
 
 def droppable_class(cls: type) -> type:
-    """The subclass of block class `cls` that stochastic depth swaps in (one per class, no state of its own)."""
+    """The subclass of block class `cls` that stochastic depth swaps in (one per class, no state of
+    its own). Its forward returns x (the block's first argument) when this step drops the block in
+    training, else the block's forward; `stochastic_depth` (the controller) and
+    `stochastic_depth_index` (the block's index in its draws) are set on the twin. The forward
+    wraps cls.forward (functools.wraps), so torch.fx reads the block's own signature, and while
+    torch.fx traces it the block runs whole: the planner's tracing sees the block, not one draw."""
     if cls not in _DROPPABLE:
-        _DROPPABLE[cls] = type(f"Droppable{cls.__name__}", (_Droppable, cls), {"__module__": __name__})
+        block_forward = cls.forward
+
+        @functools.wraps(block_forward)
+        def forward(self, *args, **kwargs):
+            if self.training and not is_fx_symbolic_tracing() and \
+                    not self.stochastic_depth.kept(self.stochastic_depth_index):
+                return args[0] if args else next(iter(kwargs.values()))
+            return block_forward(self, *args, **kwargs)
+
+        _DROPPABLE[cls] = type(f"Droppable{cls.__name__}", (cls,), {"forward": forward, "__module__": __name__})
     return _DROPPABLE[cls]
 
 
@@ -100,6 +105,7 @@ class StochasticDepth:
         drop: probability a block is dropped at a step, in [0, 1).
         seed, rank: the run's seed and this rank (the draws' stream).
     Attributes:
+        branches: {block path: residual branch child names} (residual_branches of the model as given).
         step: optimizer steps taken (advance with `advance()` after each optimizer step).
         scale_at_eval: True (the paper's rule); False evaluates the unscaled full network.
     Raises:
@@ -115,6 +121,7 @@ class StochasticDepth:
                              "declare blocks to SDP's planner or use a model with residual blocks")
         self.drop, self.survival, self.seed, self.rank = drop, 1.0 - drop, seed, rank
         self.blocks = list(branches)
+        self.branches = branches  # traced here, before the swap: a droppable block traces as its draw decides
         self.step = 0
         self.scale_at_eval = True
         self._cached = (None, None)

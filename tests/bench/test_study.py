@@ -152,6 +152,22 @@ def test_flops_are_the_layers_products(study):
         assert rank["counted_step_flops"] == _mlp_flops(b, sum(kept), sum(kept)), rank["rank"]
 
 
+def test_linear_stochastic_depth_scales_each_block_by_its_own_survival():
+    """In eval mode each block's branches are scaled by 1 - its own drop rate (the rates by hand)."""
+    from study_run import LinearStochasticDepth
+
+    torch.manual_seed(0)
+    model = _model("digits").eval()
+    reference = _model("digits").eval()
+    reference.load_state_dict(model.state_dict())
+    drops = [0.1, 0.2, 0.3, 0.4]
+    LinearStochasticDepth(model, drops, seed=0, rank=0)
+    for block, drop in zip(reference.blocks, drops):
+        block.fc2.register_forward_hook(lambda m, a, out, p=1 - drop: out * p)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+
+
 def test_marks_and_cooldowns_fall_where_the_budgets_are_reached(study):
     out, _, _ = study
     for task in TASKS:

@@ -70,6 +70,9 @@ def test_blocks_are_swapped_not_patched_and_remove_puts_them_back():
     assert [n for n, _ in model.named_parameters()] == names
     assert [sorted(vars(b)) for b in blocks] == attrs  # nothing set on the model's own blocks
     idx = torch.randint(0, 128, (2, 16))
+    dropping = next(s for s in range(64) if not any(sd.kept_blocks(s, 1)))  # a step dropping every block
+    sd.step = dropping
+    assert residual_branches(model) == sd.branches  # tracing sees the blocks, whatever this step draws
     sd.step = next(s for s in range(64) if all(sd.kept_blocks(s, 1)))  # a step keeping every block
     saved = {model: 0, reference: 0}  # bytes autograd keeps for the backward, per model
     for m in saved:

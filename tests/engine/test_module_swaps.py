@@ -2,8 +2,11 @@
 
 Backward regime (neuron level): each sliced nn.Linear becomes an OwnedLinear, each plain sliced
 nn.Conv2d an OwnedConv2d, any other sliced layer (a norm) its twin (the same class and tensors,
-registries of its own); forward regime with width kept (forced on a small GPT): the head
-groups' projections become WidthKeptLinear. Checked, on a simulated rank of a 2-rank plan:
+registries of its own); forward regime: each sliced nn.Linear a SlicedLinear, nn.Conv2d a
+SlicedConv2d, any other sliced layer and a sliced head group's attention a twin (MLP, ResNet,
+GPT), the user's modules keeping their attributes and releasing only their sliced tensors (meta);
+with width kept (forced on a small GPT): the head groups' projections become WidthKeptLinear.
+Checked, on a simulated rank of a 2-rank plan:
 
 - the layers at the sliced paths are the engine's types, and the user's layer objects (kept
   aside) have the same instance attributes as before wrapping (no `forward`, nothing new), the

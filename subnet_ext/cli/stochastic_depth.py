@@ -28,7 +28,11 @@ import functools
 
 import torch
 import torch.nn as nn
-from torch.fx._symbolic_trace import is_fx_symbolic_tracing
+
+try:  # torch 2.14 tells symbolic tracing apart from torch.export (its is_fx_tracing warns)
+    from torch.fx._symbolic_trace import is_fx_symbolic_tracing
+except ImportError:  # a torch without it: one flag for both
+    from torch.fx._symbolic_trace import is_fx_tracing as is_fx_symbolic_tracing
 
 from ..engine.module_swaps import ModuleSwaps, twin
 from .run_checkpoints import stream_seed

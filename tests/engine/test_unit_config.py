@@ -103,7 +103,8 @@ def test_public_surface_is_the_documented_one():
     public = sorted(a for a in set(dir(sdp)) - set(dir(nn.Module())) if not a.startswith("_"))
     assert public == sorted([
         "module", "plan", "config", "rank", "world_size",
-        "layout", "communicator", "averager", "refresh", "shared_shards", "call_ledger",  # read-only parts
+        "device", "skeleton", "layout", "communicator", "averager", "refresh", "shared_shards",  # read-only parts
+        "call_ledger", "state_access", "check_not_simulated",  # for code beside the engine (EMA, checkpoints)
         "no_sync", "require_backward_grad_sync", "after_step", "full_state_dict", "local_full_state_dict",
         "load_full_state_dict", "full_optimizer_state_dict", "load_full_optimizer_state_dict",
         "verify_consistency", "gradients_finite", "clip_grad_norm_", "full_model", "evaluate", "comm_stats",

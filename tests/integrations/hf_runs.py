@@ -156,7 +156,11 @@ def main(out_dir, out):
     train(SDPTrainer, out, "sdp_c05_fp16", arguments(out_dir, "sdp_c05_fp16", fp16=True, eval_strategy="no"),
           callbacks=[inject], **half)
     out["sdp_c05_fp16"].update(scales=inject.scales, embedding=inject.embedding)
-    ensemble = SDPTrainer(model=trainer.model, args=arguments(out_dir, "ensemble"), eval_dataset=Sequences(16, 2),
+    # The trained weights in a fresh model: accelerate leaves its bf16 autocast wrapper on the trained
+    # model's forward (seen with accelerate 1.15-1.16), so the ensemble would run in bf16, the reference in fp32.
+    final = make_model()
+    final.load_state_dict(trainer.model.state_dict())
+    ensemble = SDPTrainer(model=final, args=arguments(out_dir, "ensemble"), eval_dataset=Sequences(16, 2),
                           sdp=SDPOptions(evaluation="ensemble", **half))
     out["evaluate_ensemble"] = ensemble.evaluate()["eval_loss"]
 

@@ -85,14 +85,15 @@ test-torch:
 	@test -n "$(TORCH)" || { echo "make test-torch needs a torch release: make test-torch TORCH=2.11.0" >&2; exit 2; }
 	PYTHON=$(PYTHON) bash .ci/test-torch $(TORCH)
 
-# The study, outside CI (bench/study.py): DDP, FSDP2, checkpointing, a dense control, stochastic depth
-# and SDP (with checkpointing too) on the Python standard library's sources and on digits, 5 seeds;
-# writes docs/study-cpu.md, its plots and summary.json, and the generated blocks of README.md and
-# docs/results.md (<= 60 min on 2 quiet cores). `bench/study.py --quick` is its 10-minute form
-# (docs/study-cpu-quick.md).
+# The study, outside CI (bench/study/, python -m bench.study): on nanoGPT's Tiny Shakespeare benchmark at its
+# published CPU recipe (the file at ../shared/data/tinyshakespeare.txt or $$SUBNET_EXT_TINY_SHAKESPEARE): the
+# recipe reproduced, DDP, FSDP2, checkpointing, stochastic depth, the smaller dense models and SDP (both levels,
+# both regimes, C = 0.5 and 0.25), an 8-block model, and a bf16 memory measurement; writes docs/study-cpu.md,
+# its plots and summary.json, and the generated blocks of README.md and docs/results.md (<= 150 min on 2 quiet
+# cores). `python -m bench.study --quick` is its 3-minute form (docs/study-cpu-quick.md; CI runs it).
 .PHONY: study
 study: build
-	$(PY) bench/study.py
+	$(PY) -m bench.study
 
 clean:
 	rm -rf build bench/bin docs/_build *.egg-info subnet_ext/_C*.so subnet_ext/_build_info.py

@@ -1,11 +1,11 @@
 """Gradient compression under SDP, measured: fp32 averaging against bf16 on the wire
 (SDPConfig.reduce_dtype) and the low-rank comm hook (PowerSGD with error feedback,
-subnet_ext/comm/hooks/low_rank.py) at two approximation ranks, on the study's quick tasks.
+subnet_ext/comm/hooks/low_rank.py) at two approximation ranks, on two small tasks.
 
     .venv/bin/python bench/compression.py       # bench/results/compression-cpu.md (about 10 min on 2 cores)
     .venv/bin/python bench/compression.py --seeds 2 --steps 10 --rounds 2 --out /tmp/c.md   # a quick look
 
-What runs, for each task of the study's "quick" profile (bench/study_runs.py): pysrc, the
+What runs, for each task (compression_worker.TASK_SIZES, the former study's quick sizes): pysrc, the
 character-level GPT on the Python standard library's sources, and digits, the residual MLP:
 - K = 4 ranks: SDP at neuron level, forward regime, C = 0.5 (two owners per unit; the study's
   best variant), buckets per owner set for every reduction (the same buffers compared), one
@@ -33,7 +33,7 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # study_*, provenance; also in spawned ranks
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # study/, provenance; also in spawned ranks
 
 import provenance  # noqa: E402
 from compression_worker import REDUCTIONS, VARIANT, run_group, sizes_of  # noqa: E402
@@ -124,7 +124,7 @@ def write_report(opts, command: str, started: float, load_before: str, records: 
              f"{provenance.load()} after (the machine is shared: step times are comparable within a table, "
              "taken in the same minutes, not across files).",
              f"SDP {VARIANT['level']} level, {VARIANT['regime']} regime, C = {VARIANT['coverage']}, buckets per "
-             "owner set (strategy \"groups\", 25 MiB cap), AdamW; the study's quick sizes "
+             "owner set (strategy \"groups\", 25 MiB cap), AdamW; the sizes of compression_worker.TASK_SIZES "
              f"({', '.join(f'{t}: {n} steps' for t, n in steps.items())}). fp32: the default all-reduce; bf16: "
              "`reduce_dtype=torch.bfloat16`; low-rank r: `register_comm_hook(LowRankState(matrix_rank=r), "
              "low_rank_hook)`. Bytes: gradient bytes handed to collectives per step on one rank (the same on "

@@ -1,7 +1,8 @@
 """The ranks of bench/compression.py: training runs (K = 4) and interleaved step timing (K = 2).
 
-Each rank builds the study's task (bench/study_runs.py sizes, subnet_ext.cli's task,
-optimizer and optimizer step, the study's evaluation) and an SDP engine whose gradient
+Each rank builds its task (TASK_SIZES: the sizes of the earlier study's quick profile, on which the
+committed results were measured; subnet_ext.cli's task, optimizer and optimizer step, the study's
+evaluation) and an SDP engine whose gradient
 reduction is one of REDUCTIONS; rank 0 writes one JSON per training run, and one for the
 timing, into the work folder.
 """
@@ -16,8 +17,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from study_eval import evaluate_method
-from study_runs import PROFILES, training_overrides
+from study.evaluation import evaluate_method
+from study.runs import training_overrides
 from subnet_ext import SDPConfig, SubnetDataParallel, plan_subnetworks
 from subnet_ext.cli.arguments import training_args
 from subnet_ext.cli.launch import init_distributed, pick_backend
@@ -48,9 +49,19 @@ class CompressedSDP(SDPMethod):
         self.plan, self.simulated = plan, False
 
 
+# The sizes of the study's former quick profile (pysrc and digits), which bench/results/compression-cpu.md
+# was measured at; the optimizer as then: AdamW (0.9, 0.999), decay on every parameter, no clipping.
+_OPTIMIZER = dict(min_lr=0.0, beta2=0.999, decay="all", grad_clip=None)
+TASK_SIZES = {
+    "pysrc": dict(_OPTIMIZER, model="gpt", preset="deep", data="pysrc", lr=2e-3, weight_decay=0.0, seq_len=64,
+                  batch_size=4, steps=28, eval_every=14, eval_sequences=24, warmup_steps=3),
+    "digits": dict(_OPTIMIZER, model="mlp", preset=None, data="digits", seq_len=1, batch_size=32,
+                   eval_sequences=None, lr=3e-3, weight_decay=0.0, steps=24, eval_every=12, warmup_steps=3)}
+
+
 def sizes_of(task_name: str, steps: int | None) -> dict:
-    """The study's quick sizes of a task (steps replaced when given)."""
-    sizes = dict(PROFILES["quick"]["tasks"][task_name])
+    """The sizes of a task (TASK_SIZES; steps replaced when given)."""
+    sizes = dict(TASK_SIZES[task_name])
     if steps:
         sizes["steps"] = steps
         sizes["warmup_steps"] = min(sizes["warmup_steps"], steps - 1)

@@ -3,11 +3,12 @@
     python bench/memory_model_check.py            # print the table
     python bench/memory_model_check.py --write    # and replace the block in docs/memory.md
 
-For every SDP, DDP and DDP + checkpointing run of docs/study-cpu/summary.json, the worst
-rank's predicted peak of one step (subnet_ext/planning/memory_model.py, traced at the study's
-batch per rank) beside the study's measured peak (StepMemoryMeter, the worst rank's third
-step). DDP is predicted as SDP at C = 1 (the same updates; torch DDP's buckets differ in
-detail). tests/planning/test_memory_model.py checks that the block in docs/memory.md is what
+For every SDP, DDP, DDP + checkpointing and smaller dense run of docs/study-cpu/summary.json,
+the worst rank's predicted peak of one step (subnet_ext/planning/memory_model.py, traced at the
+study's batch per rank) beside the study's measured peak (StepMemoryMeter, the worst rank's third
+step). DDP (and a smaller dense model) is predicted as SDP at C = 1 (the same updates; torch DDP's
+buckets differ in detail); an SDP run whose ownership moves, as its static assignment (the same
+owner sets and shapes). tests/planning/test_memory_model.py checks that the block in docs/memory.md is what
 this script writes.
 """
 from __future__ import annotations
@@ -21,28 +22,26 @@ import warnings
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "bench"))
+sys.path.insert(0, REPO)  # the study's package, bench.study
 SUMMARY = os.path.join(REPO, "docs", "study-cpu", "summary.json")
 DOC = os.path.join(REPO, "docs", "memory.md")
 BEGIN, END = "<!-- memory-check:begin", "<!-- memory-check:end -->"
 
 
-def _task(task: str, sizes: dict):
-    """(model, one rank's batch) of a study task at its sizes."""
+def _task(sizes: dict, preset: str | None, batch_factor: float = 1.0):
+    """(model, one rank's batch) of a study task at its sizes (a run's own preset)."""
     from subnet_ext.models import build_model
 
     torch.manual_seed(0)
-    if task == "pysrc":
-        return build_model("gpt", preset=sizes["preset"]), torch.zeros(sizes["batch_size"], sizes["seq_len"],
-                                                                        dtype=torch.long)
-    return build_model("mlp", in_features=64, num_classes=10), torch.zeros(sizes["batch_size"], 64)
+    batch = max(1, round(sizes["batch_size"] * batch_factor))
+    return build_model("gpt", preset=preset or sizes["preset"]), torch.zeros(batch, sizes["seq_len"], dtype=torch.long)
 
 
 def _configuration(name: str, config: dict):
     """(level, regime, coverage, checkpointing) the planner would build for a study run, or None."""
-    if config["method"] == "ddp" and name in ("ddp", "ddp-ac"):
+    if config["method"] == "ddp" and not config.get("stochastic_depth"):
         return "block", "forward", 1.0, bool(config.get("activation_checkpointing"))
-    if config["method"] == "sdp" and not config.get("phase_of") and config.get("assignment") in (None, "rolling"):
+    if config["method"] == "sdp":
         return config["level"], config["regime"], config["coverage"], bool(config.get("activation_checkpointing"))
     return None
 
@@ -50,20 +49,20 @@ def _configuration(name: str, config: dict):
 def rows(summary: dict) -> list[tuple]:
     """[(task, run, predicted MiB, measured MiB)] for the runs the memory model covers."""
     import subnet_ext as sx
-    from study_runs import PROFILES
+    from bench.study.runs import PROFILES
     from subnet_ext.planning.activation_trace import trace_activations
     from subnet_ext.planning.memory_model import worst_rank_memory
 
     out = []
     for task, result in summary["tasks"].items():
         sizes = PROFILES[summary["profile"]]["tasks"][task]
-        model, x = _task(task, sizes)
-        runs = dict(result["analysis"]["runs"], ddp=result["analysis"]["ddp"])
+        runs = dict(result["runs"], ddp=result["ddp"])
         for name, run in sorted(runs.items()):
             cfg = _configuration(name, run["config"])
             if cfg is None:
                 continue
             level, regime, coverage, ac = cfg
+            model, x = _task(sizes, run["config"].get("preset"), run["config"].get("batch_size_factor") or 1.0)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # one owner per unit at C = 1/K: the study's choice
                 plan = sx.plan_subnetworks(model, result["K"], coverage, level, seed=0)

@@ -97,12 +97,15 @@ def _classification(name, x_train, y_train, x_test, y_test, make_model, batch_si
 
 def build_task(data: str, model: str, preset: str | None, batch_size: int, seq_len: int, seed: int,
                width: int | None = None, eval_sequences: int | None = None) -> Task:
-    """Task for `--data` (digits | cifar:PATH | synthetic | tokens:PATH | pysrc) and `--model`
-    (mlp | resnet | llama | gpt | hf:DIR, a transformers causal LM's folder: token data only).
+    """Task for `--data` (digits | cifar:PATH | synthetic | tokens:PATH | pysrc | shakespeare[:PATH])
+    and `--model` (mlp | resnet | llama | gpt | hf:DIR, a transformers causal LM's folder: token data only).
 
     pysrc: the Python standard library's ASCII sources as characters (data/pysrc.py); its
     held-out set is `eval_sequences` windows (default 4 x batch_size) evenly spaced over the
-    validation files. Other token sources evaluate on 4 random batches.
+    validation files. shakespeare: nanoGPT's Tiny Shakespeare benchmark (data/shakespeare.py;
+    the file at PATH, default $SUBNET_EXT_TINY_SHAKESPEARE), held out: every window of the
+    validation split, or `eval_sequences` evenly spaced ones. Other token sources evaluate on 4
+    random batches.
 
     Raises:
         ValueError: an unknown data name, a model that cannot read that data, or a sequence
@@ -112,7 +115,8 @@ def build_task(data: str, model: str, preset: str | None, batch_size: int, seq_l
     overrides = {} if width is None else {"width": width}
     if data == "digits" or data.startswith("cifar:"):
         if _is_language_model(model):
-            raise ValueError(f"--model {model} needs token data (synthetic, pysrc or tokens:PATH), got --data {data}")
+            raise ValueError(f"--model {model} needs token data (synthetic, pysrc, shakespeare or tokens:PATH), got "
+                             f"--data {data}")
         if data == "digits":
             from ..data.digits import load_digits_dataset
 
@@ -135,11 +139,12 @@ def build_task(data: str, model: str, preset: str | None, batch_size: int, seq_l
             kw["in_channels"] = in_shape[0]
         make = lambda: build_model(model, preset=preset, **kw)  # noqa: E731
         return _classification(data.split(":")[0], x_tr, y_tr, x_te, y_te, make, batch_size, seed)
-    if data in ("synthetic", "pysrc") or data.startswith("tokens:"):
+    if data in ("synthetic", "pysrc") or data.startswith(("tokens:", "shakespeare")):
         if not _is_language_model(model):
             raise ValueError(f"token data needs --model llama, gpt or hf:DIR, got --model {model}")
         return _language_task(data, model, preset, batch_size, seq_len, seed, eval_sequences)
-    raise ValueError(f"--data must be digits, cifar:PATH, synthetic, pysrc or tokens:PATH, got {data!r}")
+    raise ValueError(f"--data must be digits, cifar:PATH, synthetic, pysrc, shakespeare[:PATH] or tokens:PATH, got "
+                     f"{data!r}")
 
 
 def _is_language_model(model: str) -> bool:
@@ -170,15 +175,8 @@ def _token_sources(data, vocab, seq_len, seed, eval_sequences, batch_size):
     """(training source with .batch(B, generator), eval batches (), entropy floor or None) of token data."""
     from ..data.tokens import SyntheticTokens, TokenFileDataset
 
-    if data == "pysrc":
-        from ..data.pysrc import VOCAB_SIZE, CharWindows, load_pysrc
-
-        if vocab < VOCAB_SIZE:
-            raise ValueError(f"--data pysrc has {VOCAB_SIZE} characters, more than the model's vocabulary of {vocab}")
-        corpus = load_pysrc()
-        inputs, targets = CharWindows(corpus.val, seq_len).evenly_spaced(eval_sequences or 4 * batch_size)
-        held_out = [(inputs[i:i + batch_size], targets[i:i + batch_size]) for i in range(0, len(inputs), batch_size)]
-        return CharWindows(corpus.train, seq_len), (lambda: iter(held_out)), None
+    if data == "pysrc" or data.split(":", 1)[0] == "shakespeare":
+        return _character_sources(data, vocab, seq_len, eval_sequences, batch_size)
     if data == "synthetic":
         src = SyntheticTokens(vocab_size=vocab, seq_len=seq_len, seed=seed)
         floor = src.entropy_rate_nats
@@ -193,6 +191,31 @@ def _token_sources(data, vocab, seq_len, seed, eval_sequences, batch_size):
             yield src.batch(batch_size, torch.Generator().manual_seed(10_000_019 + i))
 
     return src, eval_batches, floor
+
+
+def _character_sources(data, vocab, seq_len, eval_sequences, batch_size):
+    """(training windows, eval batches (), None) of a character corpus: pysrc, or Tiny Shakespeare
+    (whose held-out set is every validation window unless eval_sequences asks for fewer)."""
+    from ..data.char_windows import CharWindows
+
+    if data == "pysrc":
+        from ..data.pysrc import VOCAB_SIZE, load_pysrc
+
+        corpus, size = load_pysrc(), VOCAB_SIZE
+    else:
+        from ..data.shakespeare import VOCAB_SIZE, load_tiny_shakespeare
+
+        corpus, size = load_tiny_shakespeare(data.split(":", 1)[1] if ":" in data else None), VOCAB_SIZE
+    name = data.split(":", 1)[0]
+    if vocab < size:
+        raise ValueError(f"--data {name} has {size} characters, more than the model's vocabulary of {vocab}")
+    val = CharWindows(corpus.val, seq_len)
+    if name == "shakespeare" and not eval_sequences:
+        inputs, targets = val.every_window()
+    else:
+        inputs, targets = val.evenly_spaced(eval_sequences or 4 * batch_size)
+    held_out = [(inputs[i:i + batch_size], targets[i:i + batch_size]) for i in range(0, len(inputs), batch_size)]
+    return CharWindows(corpus.train, seq_len), (lambda: iter(held_out)), None
 
 
 def _language_task(data, model, preset, batch_size, seq_len, seed, eval_sequences=None):

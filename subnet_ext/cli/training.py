@@ -23,8 +23,9 @@ import torch.nn as nn
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 LR_SCHEDULES = ("constant", "cosine")
 # What the optimizer step does: recorded in every report ("training") and checkpoint identity.
-TRAINING_KEYS = ("lr", "weight_decay", "lr_schedule", "warmup_steps", "grad_accum", "grad_clip", "precision",
-                 "activation_checkpointing", "compile", "stochastic_depth")
+TRAINING_KEYS = ("lr", "min_lr", "beta2", "weight_decay", "decay", "lr_schedule", "warmup_steps", "grad_accum",
+                 "grad_clip", "precision", "activation_checkpointing", "compile", "stochastic_depth")
+DECAY_CHOICES = ("all", "matrices")  # what --weight-decay applies to: every parameter, or tensors of 2+ dimensions
 
 
 def training_settings(args) -> dict:
@@ -32,11 +33,11 @@ def training_settings(args) -> dict:
     return {k: getattr(args, k, None) for k in TRAINING_KEYS}
 
 
-def lr_factor(taken: int, total: int, warmup: int, schedule: str) -> float:
+def lr_factor(taken: int, total: int, warmup: int, schedule: str, floor: float = 0.0) -> float:
     """The learning rate of the optimizer step that follows `taken` steps, as a fraction of --lr.
 
     Linear warmup over `warmup` steps ((taken + 1) / warmup), then constant or a cosine
-    from 1 to 0 over the remaining `total - warmup` steps.
+    from 1 to `floor` (--min-lr / --lr; nanoGPT's min_lr) over the remaining `total - warmup` steps.
     """
     if schedule not in LR_SCHEDULES:
         raise ValueError(f"schedule must be one of {', '.join(LR_SCHEDULES)}, got {schedule!r}")
@@ -44,26 +45,36 @@ def lr_factor(taken: int, total: int, warmup: int, schedule: str) -> float:
         return (taken + 1) / warmup
     if schedule == "constant":
         return 1.0
-    return 0.5 * (1.0 + math.cos(math.pi * (taken - warmup) / max(1, total - warmup)))
+    cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, (taken - warmup) / max(1, total - warmup))))
+    return floor + (1.0 - floor) * cosine
 
 
 def make_optimizer(parameters, args) -> torch.optim.Optimizer:
-    """The run's optimizer: torch's AdamW at --lr and --weight-decay, fused (one kernel per
-    device and dtype), which skips a step on the device when handed a found-inf flag.
+    """The run's optimizer: torch's AdamW at --lr, betas (0.9, --beta2) and --weight-decay (on every
+    parameter, or with --decay matrices on tensors of two or more dimensions only, as nanoGPT and
+    most language-model recipes: no decay on biases and norms), fused (one kernel per device and
+    dtype), which skips a step on the device when handed a found-inf flag.
     Not fused when FSDP2's DTensors sit beside plain tensors (--shard-shared: fused AdamW
     refuses the mix); such a run decides its skips on the host (OptimizerStep.finish)."""
     parameters = list(parameters)
     sharded = [hasattr(p, "to_local") for p in parameters]
     fused = all(sharded) or not any(sharded)
-    return torch.optim.AdamW(parameters, lr=args.lr, weight_decay=args.weight_decay, fused=fused)
+    groups = [{"params": parameters}]
+    if getattr(args, "decay", "all") == "matrices":
+        groups = [{"params": [p for p in parameters if p.dim() >= 2]},
+                  {"params": [p for p in parameters if p.dim() < 2], "weight_decay": 0.0}]
+        groups = [g for g in groups if g["params"]]
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, getattr(args, "beta2", 0.999)),
+                             weight_decay=args.weight_decay, fused=fused)
 
 
-def make_scheduler(optimizer, base_lr: float, total: int, warmup: int, schedule: str, taken: int = 0):
-    """LambdaLR with `lr_factor`, positioned after `taken` steps (a resumed run)."""
+def make_scheduler(optimizer, base_lr: float, total: int, warmup: int, schedule: str, taken: int = 0,
+                   min_lr: float = 0.0):
+    """LambdaLR with `lr_factor` (its cosine ending at `min_lr`), positioned after `taken` steps (a resumed run)."""
     for group in optimizer.param_groups:  # a resumed optimizer's lr is the decayed one: start from --lr
         group["lr"] = base_lr
         group.pop("initial_lr", None)
-    factor = functools.partial(lr_factor, total=total, warmup=warmup, schedule=schedule)
+    factor = functools.partial(lr_factor, total=total, warmup=warmup, schedule=schedule, floor=min_lr / base_lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor, last_epoch=-1)
     if taken:
         scheduler.last_epoch = taken  # LambdaLR's lr is closed-form in last_epoch
@@ -146,7 +157,7 @@ class OptimizerStep:
         method: the wrapped model (methods.Method: __call__, parameters, no_sync, clip_grad_norm_).
         optimizer: over method.parameters(), able to skip on the device (`make_optimizer`).
         guard: engine.guard.NonFiniteGuard (it also keeps the scaler's flags).
-        args: grad_accum, grad_clip, precision, lr, lr_schedule, warmup_steps, steps.
+        args: grad_accum, grad_clip, precision, lr, min_lr, lr_schedule, warmup_steps, steps.
         taken: steps already taken (a resumed run, skipped ones included), to position the schedule.
     An optimizer that takes no found-inf flag (make_optimizer's unfused AdamW beside FSDP2's
     DTensors) has its skips decided on the host: one read of the agreed flag per step.
@@ -156,7 +167,8 @@ class OptimizerStep:
         self.method, self.optimizer, self.guard, self.device = method, optimizer, guard, device
         self.micro_steps, self.max_norm, self.precision = args.grad_accum, args.grad_clip, args.precision
         self.scaler = make_scaler(method.name, args.precision, device)
-        self.scheduler = make_scheduler(optimizer, args.lr, args.steps, args.warmup_steps, args.lr_schedule, taken)
+        self.scheduler = make_scheduler(optimizer, args.lr, args.steps, args.warmup_steps, args.lr_schedule, taken,
+                                        getattr(args, "min_lr", 0.0))
 
     def accumulate(self, task, step: int, rank: int, world: int, meter=None) -> torch.Tensor:
         """Forward + backward of the step's micro-batches; returns their mean loss, a 0-d

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+
+
 VOCAB_SIZE = 128
 VALIDATION_MODULUS = 10  # one file in ten (by path hash) is validation
 
@@ -97,35 +99,3 @@ def load_pysrc(root: str | None = None) -> PySourceCorpus:
     tensors = {k: torch.from_numpy(np.frombuffer(b"".join(v), dtype=np.uint8).copy()) for k, v in parts.items()}
     return PySourceCorpus(tensors["train"], tensors["val"], counts["train"], counts["val"], skipped, root,
                           digest.hexdigest())
-
-
-class CharWindows:
-    """Windows of seq_len + 1 characters of one split: inputs [B, T] and the next characters [B, T].
-
-    Raises:
-        ValueError: the split is shorter than seq_len + 1 characters, or seq_len < 1.
-    """
-
-    def __init__(self, chars: torch.Tensor, seq_len: int):
-        if seq_len < 1 or chars.numel() < seq_len + 1:
-            raise ValueError(f"CharWindows needs seq_len >= 1 and at least seq_len + 1 characters; got seq_len "
-                             f"{seq_len} and {chars.numel()} characters")
-        self.chars, self.seq_len = chars, seq_len
-
-    def _rows(self, starts: torch.Tensor):
-        offsets = torch.arange(self.seq_len + 1)
-        seq = self.chars[starts[:, None] + offsets[None, :]].long()
-        return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
-
-    def batch(self, batch_size: int, generator: torch.Generator):
-        """batch_size windows at random starts drawn from `generator`: (inputs int64 [B, T], targets int64 [B, T])."""
-        starts = torch.randint(0, self.chars.numel() - self.seq_len, (batch_size,), generator=generator)
-        return self._rows(starts)
-
-    def evenly_spaced(self, count: int):
-        """`count` windows at evenly spaced starts over the whole split (a fixed evaluation set, no RNG):
-        (inputs int64 [count, T], targets int64 [count, T])."""
-        if count < 1:
-            raise ValueError(f"evenly_spaced needs count >= 1, got {count}")
-        last = self.chars.numel() - self.seq_len - 1
-        return self._rows(torch.linspace(0, last, count).round().long())

@@ -13,7 +13,7 @@ whose heads or MLP neurons were sliced to a subnetwork still runs.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -23,7 +23,9 @@ import torch.nn.functional as F
 @dataclass(frozen=True)
 class GPTConfig:
     """Shape of the GPT: context length, vocabulary, layers, heads, embedding width;
-    dropout, biases in Linears and LayerNorms, and the block layout."""
+    dropout, biases in Linears and LayerNorms, and the block layout. head_dim (default
+    n_embd / n_head) and n_inner (the MLP's hidden width, default 4 x n_embd) let a block be
+    narrower than the residual stream, as a neuron-level subnetwork is."""
 
     block_size: int = 128
     vocab_size: int = 128
@@ -33,24 +35,51 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True
     parallel_residual: bool = False
+    head_dim: int | None = None
+    n_inner: int | None = None
+
+    @property
+    def attn_width(self) -> int:
+        """n_head x head_dim: the width of q, k, v and of c_proj's input."""
+        return self.n_head * (self.head_dim or self.n_embd // self.n_head)
+
+    @property
+    def mlp_width(self) -> int:
+        """The MLP's hidden width (n_inner, default 4 x n_embd)."""
+        return self.n_inner or 4 * self.n_embd
 
     def num_parameters(self, non_embedding: bool = False) -> int:
         """Parameters (tied lm_head counted once); non_embedding drops the position table."""
-        e, v = self.n_embd, self.vocab_size
+        e, v, a, h = self.n_embd, self.vocab_size, self.attn_width, self.mlp_width
         ln = 2 * e if self.bias else e
-        attn = 3 * e * e + e * e + (4 * e if self.bias else 0)
-        mlp = 8 * e * e + (5 * e if self.bias else 0)
+        attn = 3 * a * e + a * e + (3 * a + e if self.bias else 0)
+        mlp = 2 * e * h + (h + e if self.bias else 0)
         per_layer = attn + mlp + (1 if self.parallel_residual else 2) * ln
         total = v * e + self.block_size * e + self.n_layer * per_layer + ln
         return total - self.block_size * e if non_embedding else total
 
 
+# nanoGPT's Tiny Shakespeare CPU recipe (subnet_ext/data/shakespeare.py): 4 layers x 128, 4 heads,
+# context 64, the 65 characters, no biases.
+_SHAKESPEARE = GPTConfig(block_size=64, vocab_size=65, n_layer=4, n_head=4, n_embd=128, bias=False)
 GPT_PRESETS = {
     "tiny": GPTConfig(block_size=64, vocab_size=128, n_layer=2, n_head=2, n_embd=32),
     "small": GPTConfig(block_size=128, vocab_size=128, n_layer=4, n_head=4, n_embd=128),
     "medium": GPTConfig(block_size=256, vocab_size=128, n_layer=6, n_head=6, n_embd=192),
     # small's parameter count in 16 blocks: block-level SDP at C = 0.5 keeps 8 blocks per subnetwork
     "deep": GPTConfig(block_size=128, vocab_size=128, n_layer=16, n_head=4, n_embd=64),
+    "shakespeare": _SHAKESPEARE,
+    "shakespeare-deep": replace(_SHAKESPEARE, n_layer=8),
+    # Dense models of one SDP subnetwork's size (the study's smaller-dense controls): block level at
+    # C = 0.5 / 0.25 keeps 2 / 1 of the 4 blocks; neuron level keeps 2 / 1 of the 4 heads (head
+    # width 32) and 256 / 128 of the 512 MLP neurons, the residual stream staying 128 wide.
+    "shakespeare-half-depth": replace(_SHAKESPEARE, n_layer=2),
+    "shakespeare-quarter-depth": replace(_SHAKESPEARE, n_layer=1),
+    "shakespeare-half-width": replace(_SHAKESPEARE, n_head=2, head_dim=32, n_inner=256),
+    "shakespeare-quarter-width": replace(_SHAKESPEARE, n_head=1, head_dim=32, n_inner=128),
+    # Twice as wide, context 128: a shape where model state, not activations, fills a step's memory at a
+    # micro-batch of 1 x 128 (the study's bf16 memory measurement).
+    "shakespeare-d256": replace(_SHAKESPEARE, n_embd=256, block_size=128),
 }
 
 
@@ -68,19 +97,20 @@ class LayerNorm(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    """Causal multi-head self-attention with one fused qkv projection `c_attn` [3E, E]
-    (rows: q heads, then k heads, then v heads) and an output projection `c_proj` [E, E]."""
+    """Causal multi-head self-attention with one fused qkv projection `c_attn` [3A, E]
+    (rows: q heads, then k heads, then v heads; A = n_head x head_dim, E by default) and an
+    output projection `c_proj` [E, A]."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        if cfg.n_embd % cfg.n_head:
-            raise ValueError(f"n_embd {cfg.n_embd} is not a multiple of n_head {cfg.n_head}")
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
-        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        if cfg.head_dim is None and cfg.n_embd % cfg.n_head:
+            raise ValueError(f"n_embd {cfg.n_embd} is not a multiple of n_head {cfg.n_head}; set head_dim")
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.attn_width, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.attn_width, cfg.n_embd, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.n_head = cfg.n_head
         self.n_embd = cfg.n_embd
-        self.head_dim = cfg.n_embd // cfg.n_head
+        self.head_dim = cfg.attn_width // cfg.n_head
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -95,13 +125,13 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """c_proj(gelu(c_fc(x))): E -> 4E -> E (the hidden width may be sliced)."""
+    """c_proj(gelu(c_fc(x))): E -> H -> E, H = n_inner (4E by default; the hidden width may be sliced)."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.c_fc = nn.Linear(cfg.n_embd, cfg.mlp_width, bias=cfg.bias)
         self.gelu = nn.GELU()
-        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.mlp_width, cfg.n_embd, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

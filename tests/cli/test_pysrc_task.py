@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from subnet_ext.cli.arguments import training_args
 from subnet_ext.cli.tasks import build_task, logits_of
-from subnet_ext.data.pysrc import CharWindows, load_pysrc
+from subnet_ext.data.char_windows import CharWindows
+from subnet_ext.data.pysrc import load_pysrc
 
 
 def _write(folder, rel, data: bytes):

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_iter
 from subnet_ext.engine.memory_meter import StepMemoryMeter, measure_step
 from subnet_ext.testing import run_distributed
 from gpu_marks import needs_cuda
+from shakespeare_file import needs_tiny_shakespeare
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MIB = 2 ** 20
@@ -193,8 +194,7 @@ def test_result_before_a_step_is_refused():
 # The study's ratios against the reference count, at the full study's sizes (one rank: DDP in a
 # one-process group, SDP as a simulated rank of K = 4).
 
-def _ratio_worker(rank, world, sizes_list):
-    sys.path.insert(0, os.path.join(REPO, "bench"))
+def _ratio_worker(rank, world, sizes_list, data):
     from subnet_ext.cli.methods import DDPMethod, SDPMethod
     from subnet_ext.cli.tasks import build_task
     from subnet_ext.cli.training import apply_activation_checkpointing
@@ -202,7 +202,7 @@ def _ratio_worker(rank, world, sizes_list):
 
     out = []
     for sizes in sizes_list:
-        task = build_task("pysrc", "gpt", sizes["preset"], sizes["batch_size"], sizes["seq_len"], 0)
+        task = build_task(f"shakespeare:{data}", "gpt", sizes["preset"], sizes["batch_size"], sizes["seq_len"], 0)
         batch = task.batch(2, 0, 4)
         found = {}
         for name in ("ddp", "ddp-ac", "sdp-block-forward-c0.5", "sdp-neuron-forward-c0.5"):
@@ -238,21 +238,20 @@ def _ratio_worker(rank, world, sizes_list):
 
 
 def _profile_sizes(summary_path):
-    sys.path.insert(0, os.path.join(REPO, "bench"))
-    from study_runs import PROFILES
+    from bench.study.runs import MAIN_TASK, PROFILES
 
     with open(summary_path) as f:
         summary = json.load(f)
-    return summary, PROFILES[summary["profile"]]["tasks"]["pysrc"]
+    return summary, PROFILES[summary["profile"]]["tasks"][MAIN_TASK]
 
 
+@needs_tiny_shakespeare
 def test_study_ratios_agree_with_a_live_storage_count():
-    sys.path.insert(0, os.path.join(REPO, "bench"))
-    from study_runs import PROFILES
+    from bench.study.runs import MAIN_TASK, PROFILES, data_path
 
     summaries = sorted(glob.glob(os.path.join(REPO, "docs", "study-cpu*", "summary.json")))
-    sizes = [PROFILES["full"]["tasks"]["pysrc"]] + [_profile_sizes(p)[1] for p in summaries]
-    found = run_distributed(_ratio_worker, 1, sizes, timeout=600)[0]
+    sizes = [PROFILES["full"]["tasks"][MAIN_TASK]] + [_profile_sizes(p)[1] for p in summaries]
+    found = run_distributed(_ratio_worker, 1, sizes, data_path(), timeout=600)[0]
     for name in ("ddp-ac", "sdp-block-forward-c0.5", "sdp-neuron-forward-c0.5"):
         meter = found[0][name][0] / found[0]["ddp"][0]
         reference = found[0][name][1] / found[0]["ddp"][1]
@@ -260,7 +259,7 @@ def test_study_ratios_agree_with_a_live_storage_count():
     # Every committed summary: its measured ratios (four real ranks, the worst one) against this count.
     for path, counted in zip(summaries, found[1:]):
         summary, _ = _profile_sizes(path)
-        runs = summary["tasks"]["pysrc"]["analysis"]["runs"]
+        runs = summary["tasks"][MAIN_TASK]["runs"]
         for name in ("ddp-ac", "sdp-block-forward-c0.5", "sdp-neuron-forward-c0.5"):
             reference = counted[name][1] / counted["ddp"][1]
             assert runs[name]["memory"] == pytest.approx(reference, rel=0.10), (path, name)

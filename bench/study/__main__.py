@@ -1,16 +1,17 @@
-"""The study: when SDP beats DDP, FSDP2, activation checkpointing and stochastic depth, on
-real text (the Python standard library's sources as characters, a nanoGPT-style GPT).
+"""The study: which method to train with, DDP, FSDP2, activation checkpointing, stochastic depth,
+a smaller dense model or SDP, on nanoGPT's Tiny Shakespeare benchmark at its published CPU recipe.
 
-    make study                                # the whole study on this machine's CPU (<= 60 min, 2 cores)
-    .venv/bin/python bench/study.py --quick   # the same tables at a reduced size (<= 10 min)
-    .venv/bin/python bench/study.py --device cuda   # larger, one GPU per rank (4 GPUs)
+    make study                               # the whole study on this machine's CPU (<= 150 min, 2 cores)
+    .venv/bin/python -m bench.study --quick  # the same pipeline at a few steps (<= 3 min; CI runs it)
+    .venv/bin/python -m bench.study --device cuda   # one GPU per rank (4 GPUs)
 
-What runs and how the protocols are read: study_runs.py. The K = 4 ranks are launched once
-(study_worker.py); results go to <out>/results/<task>/K4/seed*/<run>.json as each job finishes,
+What runs and how the protocols are read: runs.py. Each world size is launched once (worker.py:
+K = 4 ranks, and one process for the anchor); results go to
+<out>/results/<task>/K<k>/seed*/<run>.json as each job finishes,
 so an interrupted study continues where it stopped (results of another profile are redone).
-The report (study_report.py) is written from those files: <doc>, and beside it, in a folder
+The report (report.py) is written from those files: <doc>, and beside it, in a folder
 named after it, its plots and summary.json; the full CPU study (or --update-docs) also rewrites
-the generated blocks of README.md and docs/results.md from that summary (study_decision.py).
+the generated blocks of README.md and docs/results.md from that summary (decision.py).
 `--report-only` rewrites the report from the results.
 """
 from __future__ import annotations
@@ -23,18 +24,19 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the study_* modules, also in spawned ranks
-
-from study_runs import MAIN_K, PROFILES, TASKS, jobs, result_path  # noqa: E402
+from .runs import MAIN_K, PROFILES, TASKS, anchor_jobs, data_path, jobs, result_path
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The study's options: size (--quick, --profile), device, seeds, output folder and report."""
-    p = argparse.ArgumentParser(prog="bench/study.py", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bench.study", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="the reduced study (profile 'quick', <= 10 min on 2 cores)")
+    p.add_argument("--quick", action="store_true", help="the reduced study (profile 'quick', <= 3 min on 2 cores)")
     p.add_argument("--profile", choices=sorted(PROFILES), default=None,
-                   help="sizes by name (default: full on cpu, cuda on cuda, quick with --quick; tiny: CI)")
+                   help="sizes by name (default: full on cpu, cuda on cuda, quick with --quick)")
+    p.add_argument("--data", default=None, metavar="PATH",
+                   help="Tiny Shakespeare's input.txt (default: $SUBNET_EXT_TINY_SHAKESPEARE, else "
+                        "../shared/data/tinyshakespeare.txt beside the repository)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 (default: the profile's)")
     p.add_argument("--only", type=lambda v: v.split(","), default=None, metavar="RUN,RUN",
@@ -69,6 +71,8 @@ def _default_doc(name: str, device: str, out: str) -> str:
         return os.path.join("docs", "study-cpu-quick.md")
     if name == "cuda":
         return os.path.join("docs", "study-cuda.md")
+    if name == "schedules" and device == "cpu":
+        return os.path.join("docs", "study-schedules.md")
     return os.path.join(out, "study.md")
 
 
@@ -95,12 +99,28 @@ def _done(out: str, cfg: dict, profile: dict) -> bool:
         return json.load(f).get("profile") == profile
 
 
-def _pending(out: str, seeds: list[int], profile: dict, tasks, only=None) -> list[dict]:
-    """The jobs with a missing (or other-profile) result; a job's derived runs and phases rerun with it.
+def task_seeds(profile: dict, task: str, seeds: int | None = None) -> list[int]:
+    """Seeds 0..n-1 of a task: `seeds` when given, else the task's own count, else the profile's."""
+    return list(range(seeds or profile["tasks"][task].get("seeds") or profile["seeds"]))
+
+
+def planned_jobs(profile: dict, tasks, seeds: int | None = None) -> dict[int, list[dict]]:
+    """{world size: jobs} of the tasks (runs.jobs at MAIN_K; the anchor's at 1 and MAIN_K)."""
+    out = {}
+    for task in tasks:
+        sizes, chosen = profile["tasks"][task], task_seeds(profile, task, seeds)
+        if sizes.get("anchor"):
+            for k, js in anchor_jobs(task, chosen).items():
+                out.setdefault(k, []).extend(js)
+        out.setdefault(MAIN_K, []).extend(jobs(task, chosen, MAIN_K, sizes["runs"]))
+    return dict(sorted(out.items()))
+
+
+def _pending(out: str, js: list[dict], profile: dict, only=None) -> list[dict]:
+    """The jobs with a missing (or other-profile) result; a job's derived runs rerun with it.
     only: configuration names to keep (ddp always kept: the others need its tokens and FLOPs)."""
-    return [j for task in tasks for j in jobs(task, seeds, MAIN_K, profile["tasks"][task]["runs"])
-            if (only is None or j["config"]["name"] in {"ddp", *only})
-            and not all(_done(out, c, profile) for c in [j["config"], *j["readers"], *j["phases"]])]
+    return [j for j in js if (only is None or j["config"]["name"] in {"ddp", *only})
+            and not all(_done(out, c, profile) for c in [j["config"], *j["readers"]])]
 
 
 def machine() -> dict:
@@ -126,22 +146,23 @@ def machine() -> dict:
 
 def run_study(opts) -> dict:
     """Train every pending configuration (one launch per world size); returns the run's record."""
-    from study_worker import run_group
+    from .worker import run_group
     from subnet_ext.cli.launch import choose_backend, spawn_local
 
     name = _profile_name(opts)
     profile = dict(PROFILES[name], name=name)
-    seeds = list(range(opts.seeds or profile["seeds"]))
     out = opts.out or os.path.join("runs", f"study-{name}")
-    record = {"profile": profile, "seeds": seeds, "out": out, "started": time.time(),
-              "machine_at_start": machine(), "launches": []}
-    todo = _pending(out, seeds, profile, opts.tasks, opts.only)
-    if todo:
-        choose_backend("auto", opts.device, MAIN_K)  # refuses --device cuda with fewer GPUs than ranks, clearly
+    record = {"profile": profile, "seeds": {t: task_seeds(profile, t, opts.seeds) for t in opts.tasks}, "out": out,
+              "started": time.time(), "machine_at_start": machine(), "launches": []}
+    for k, planned in planned_jobs(profile, opts.tasks, opts.seeds).items():
+        todo = _pending(out, planned, profile, opts.only)
+        if not todo:
+            continue
+        choose_backend("auto", opts.device, k)  # refuses --device cuda with fewer GPUs than ranks, clearly
         t0 = time.time()
-        print(f"[study] K={MAIN_K}: {len(todo)} job(s) over seeds {seeds} ...", flush=True)
-        spawn_local(run_group, {"device": opts.device, "profile": profile, "out": out, "jobs": todo}, MAIN_K)
-        record["launches"].append({"K": MAIN_K, "jobs": len(todo), "seconds": time.time() - t0})
+        print(f"[study] K={k}: {len(todo)} job(s) ...", flush=True)
+        spawn_local(run_group, {"device": opts.device, "profile": profile, "out": out, "jobs": todo}, k)
+        record["launches"].append({"K": k, "jobs": len(todo), "seconds": time.time() - t0})
     record["seconds"] = time.time() - record["started"]
     record["machine_at_end"] = machine()
     return record
@@ -151,7 +172,20 @@ def main(argv=None) -> int:
     """Run (or with --report-only, only report) the study; returns the exit code."""
     opts = build_parser().parse_args(argv)
     if opts.seeds is not None and opts.seeds < 1:
-        print(f"bench/study.py: --seeds must be at least 1, got {opts.seeds}", file=sys.stderr)
+        print(f"python -m bench.study: --seeds must be at least 1, got {opts.seeds}", file=sys.stderr)
+        return 2
+    unknown = sorted(set(opts.tasks) - set(TASKS))
+    if unknown:
+        print(f"python -m bench.study: unknown task(s) {unknown}; the study's tasks are {', '.join(TASKS)}",
+              file=sys.stderr)
+        return 2
+    from subnet_ext.data.shakespeare import ENVIRONMENT_VARIABLE, load_tiny_shakespeare
+
+    os.environ[ENVIRONMENT_VARIABLE] = data_path(opts.data)  # the ranks read it from there
+    try:
+        load_tiny_shakespeare(os.environ[ENVIRONMENT_VARIABLE])  # a missing or changed file stops here, clearly
+    except (FileNotFoundError, ValueError) as e:
+        print(f"python -m bench.study: {e}", file=sys.stderr)
         return 2
     name = _profile_name(opts)
     out = opts.out or os.path.join("runs", f"study-{name}")
@@ -163,10 +197,10 @@ def main(argv=None) -> int:
     record_path = os.path.join(out, "study-run.json")
     if not opts.report_only:
         record = run_study(opts)
-        record["command"] = "bench/study.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        record["command"] = "python -m bench.study " + " ".join(argv if argv is not None else sys.argv[1:])
         with open(record_path, "w") as f:
             json.dump(record, f, indent=1)
-    from study_report import write_report
+    from .report import write_report
 
     doc = opts.doc or _default_doc(name, opts.device, out)
     written = write_report(out, doc, record_path, _doc_blocks(doc, opts.update_docs))

@@ -1,9 +1,9 @@
 """The study's results, loaded and read the way the tables need them.
 
-`Results(out)` holds every configuration's JSON (study_worker.py) keyed by (task, K, seed,
+`Results(out)` holds every configuration's JSON (worker.py) keyed by (task, K, seed,
 run). A run is read at a protocol's mark ("tokens": equal tokens, "flops": equal FLOPs,
 "seconds": equal wall time, CUDA only), each the end of a cooldown branch. Differences are
-paired: per seed, the run minus the other run of that seed (study_stats.compare).
+paired: per seed, the run minus the other run of that seed (stats.compare).
 Memory is the StepMemoryMeter's peak of one whole step (subnet_ext.engine.memory_meter),
 the worst rank over every seed.
 """
@@ -37,13 +37,13 @@ class Results:
                 r = json.load(f)
             c = r["config"]
             self.runs[(c["task"], c["K"], c["seed"], c["name"])] = r
-        from study_runs import all_configs
+        from .runs import all_configs
 
-        self.order = {}  # (task, K) -> run names in the study's order (study_runs.jobs), then any others
+        self.order = {}  # (task, K) -> run names in the study's order (runs.jobs), then any others
         for (task, k, seed, name), r in self.runs.items():
             if (task, k) not in self.order:
-                runs = r["profile"]["tasks"][task].get("runs", "main")
-                canonical = [c["name"] for c in all_configs(task, [seed], runs)]
+                sizes = r["profile"]["tasks"][task]
+                canonical = [c["name"] for c in all_configs(task, [0], sizes.get("runs", "main"))]
                 self.order[(task, k)] = [n for n in canonical
                                          if any(key[:2] == (task, k) and key[3] == n for key in self.runs)]
             if name not in self.order[(task, k)]:
@@ -54,9 +54,11 @@ class Results:
         return sum(x.get("cpu_seconds", 0.0) for r in self.runs.values() for x in r["per_rank"])
 
     def tasks(self) -> list[str]:
-        """Tasks with results, in the study's order (pysrc first)."""
+        """Tasks with results, in the study's order (runs.TASKS first)."""
+        from .runs import TASKS
+
         found = {t for t, *_ in self.runs}
-        return [t for t in ("pysrc", "digits") if t in found] + sorted(found - {"pysrc", "digits"})
+        return [t for t in TASKS if t in found] + sorted(found - set(TASKS))
 
     def worlds(self, task: str) -> list[int]:
         """World sizes with results for `task`, largest first."""
@@ -71,8 +73,8 @@ class Results:
         return self.get(task, k, self.seeds(task, k, name)[0], name)["config"]
 
     def verdict_runs(self, task, k) -> list[str]:
-        """Every run but DDP and the final phases: the methods a user could choose."""
-        return [n for n in self.names(task, k) if n != "ddp" and not self.config(task, k, n).get("phase_of")]
+        """Every run but DDP and the anchor (the recipe's own schedule): the methods a user could choose."""
+        return [n for n in self.names(task, k) if n != "ddp" and self.config(task, k, n).get("schedule") != "cosine"]
 
     def protocols(self, task, k) -> list[str]:
         """The protocols DDP was read at (equal wall time on CUDA profiles only)."""
@@ -95,13 +97,19 @@ class Results:
 
     def value(self, task, k, seed, name, protocol, mode="full", metric="loss"):
         """A run's metric for one model (mode: full, full_scaled, ensemble, full_unscaled,
-        subnetworks (their mean)) at a protocol's mark; None where that model or mark is absent."""
+        subnetworks (their mean), best_subnetwork (the rank whose subnetwork has the lowest loss))
+        at a protocol's mark; None where that model or mark is absent."""
         p = self.point(task, k, seed, name, protocol)
         if p is None:
             return None
-        if mode == "subnetworks":
+        if mode in ("subnetworks", "best_subnetwork"):
             per_rank = p.get("subnetworks", {}).get(metric)
-            return statistics.fmean(per_rank) if per_rank else None
+            if not per_rank:
+                return None
+            if mode == "subnetworks":
+                return statistics.fmean(per_rank)
+            best = min(range(len(per_rank)), key=lambda r: p["subnetworks"]["loss"][r])
+            return per_rank[best]
         return p.get(metric, {}).get(mode)
 
     def diffs(self, task, k, a: tuple, b: tuple, protocol: str, metric: str = "loss",
@@ -157,6 +165,7 @@ class Results:
                 "held_model_state": held("model_state"), "parameters": held("parameters"),
                 "gradients": held("gradients"), "optimizer_state": held("optimizer_state"),
                 "peak_rss": max(x["peak_rss_bytes"] for x in ranks),
+                "rss_added": max(x["peak_rss_bytes"] - x.get("rss_at_start_bytes", x["peak_rss_bytes"]) for x in ranks),
                 "comm_bytes_per_step": first["comm"].get("bytes_per_step"),
                 "collectives_per_step": first["comm"].get("collectives_per_step"),
                 "comm_source": first["comm"].get("source", ""),

@@ -3,7 +3,7 @@ its counters (step, tokens, FLOPs, training seconds), one metered step, and the 
 cooldown branches start from.
 
 The schedule is warmup-stable-decay: a linear warmup, then the constant rate of the stable
-trajectory; a cooldown branch (study_runs.py) restores the snapshot taken at its first step
+trajectory; a cooldown branch (runs.py) restores the snapshot taken at its first step
 and decays the rate linearly to 1/d of it over its d steps. Everything a step reads is a
 pure function of the step number (the batches, stochastic depth's draws), so a branch
 restored at step b trains exactly as a run that had decayed from b.
@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import time
 import types
 
 import torch
 import torch.distributed as dist
 
-from study_measure import counting_flops
-from study_runs import batch_size_of, training_overrides
+from .measure import counting_flops
+from .runs import batch_size_of, training_overrides
 from subnet_ext.cli.arguments import training_args
 from subnet_ext.cli.loop import make_method
-from subnet_ext.cli.methods import SDPMethod
 from subnet_ext.cli.stochastic_depth import StochasticDepth
 from subnet_ext.cli.training import OptimizerStep, apply_activation_checkpointing, make_optimizer
 from subnet_ext.engine.guard import NonFiniteGuard
@@ -32,80 +32,31 @@ TRAIN_LOSSES = 8  # the training loss of this many first steps of the stable tra
 
 
 def lr_factor(step: int, warmup: int, cooldown: tuple[int, int] | None = None) -> float:
-    """The learning rate of optimizer step `step` (0-based) as a fraction of the peak: (step + 1) /
-    warmup during the warmup, 1 on the stable trajectory, and in a cooldown branch (first, end)
-    (end - step) / (end - first): 1 at its first step, 1/d at its last (d = end - first)."""
+    """Warmup-stable-decay: the learning rate of optimizer step `step` (0-based) as a fraction of the
+    peak: (step + 1) / warmup during the warmup, 1 on the stable trajectory, and in a cooldown branch
+    (first, end) (end - step) / (end - first): 1 at its first step, 1/d at its last (d = end - first)."""
     if cooldown is not None and cooldown[0] <= step < cooldown[1]:
         return (cooldown[1] - step) / (cooldown[1] - cooldown[0])
     return (step + 1) / warmup if step < warmup else 1.0
 
 
-def linear_drop_rates(blocks: int, coverage: float) -> list[float]:
-    """Stochastic depth's linearly increasing schedule (Huang et al. 2016: drop l/L x (1 - p_L) for
-    block l = 1..L), scaled so the mean drop over the blocks is 1 - coverage (SDP's share of blocks
-    skipped): block l (1-based) drops with probability 2 (1 - C) l / (L + 1)."""
-    rates = [2 * (1 - coverage) * (i + 1) / (blocks + 1) for i in range(blocks)]
-    if max(rates, default=0.0) >= 1.0:
-        raise ValueError(f"linear stochastic depth at coverage {coverage} drops block {blocks} always; "
-                         "use a coverage of at least 0.5")
-    return rates
-
-
-class _BlockSurvival:
-    """What one branch's evaluation hook reads: its own block's survival probability, and the
-    controller's switch (StochasticDepth.scale_at_eval)."""
-
-    def __init__(self, controller, survival: float):
-        self.controller, self.survival = controller, survival
-
-    @property
-    def scale_at_eval(self) -> bool:
-        """The controller's switch: scale at evaluation or not."""
-        return self.controller.scale_at_eval
-
-
-class LinearStochasticDepth(StochasticDepth):
-    """StochasticDepth with a drop rate per block (`drops`, in block order); at evaluation each
-    residual branch is scaled by its own block's survival probability (the paper's rule)."""
-
-    def __init__(self, model, drops: list[float], seed: int, rank: int):
-        super().__init__(model, sum(drops) / len(drops), seed, rank)
-        if len(drops) != len(self.blocks):
-            raise ValueError(f"{len(drops)} drop rates for {len(self.blocks)} blocks")
-        self.drops = torch.tensor(drops, dtype=torch.float64)
-        from subnet_ext.cli.stochastic_depth import _ScaleAtEval
-
-        for (path, names), drop in zip(self.branches.items(), drops):
-            for name in names:
-                for hook in model.get_submodule(path).get_submodule(name)._forward_hooks.values():
-                    if isinstance(hook, _ScaleAtEval):
-                        hook.controller = _BlockSurvival(self, 1.0 - drop)
-
-    def kept_blocks(self, step: int, rank: int) -> list[bool]:
-        """Which blocks rank `rank` keeps at step `step`: the base class's draws against each block's rate."""
-        from subnet_ext.cli.run_checkpoints import stream_seed
-
-        generator = torch.Generator().manual_seed(stream_seed(self.seed, step, rank) ^ 0x5D)
-        return (torch.rand(len(self.blocks), generator=generator, dtype=torch.float64) >= self.drops).tolist()
-
-
-def _make_method(args, cfg: dict, model, device, stochastic):
-    """make_method, except an SDP plan with a non-default block assignment (planned here)."""
-    if cfg["method"] != "sdp" or cfg.get("assignment", "rolling") == "rolling":
-        return make_method(args, model, device, stochastic)
-    from subnet_ext.cli.plan import sample_input_for
-    from subnet_ext.planning.plan import plan_subnetworks
-
-    sample = sample_input_for(args.model, model, args.seq_len, args.data)
-    plan = plan_subnetworks(model, world_size=dist.get_world_size(), coverage=args.coverage, level=args.level,
-                            seed=args.seed, sample_input=sample, block_assignment=cfg["assignment"])
-    return SDPMethod(model, plan, args.regime, args.sync_every, args.scale, timeout=args.timeout)
+def recipe_lr_factor(step: int, warmup: int, total: int, floor: float) -> float:
+    """nanoGPT's schedule (train.py get_lr) as a fraction of the peak: (step + 1) / (warmup + 1) during
+    the warmup, then a cosine from 1 to `floor` (min_lr / lr) at step `total`, `floor` after."""
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    if step > total:
+        return floor
+    return floor + 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / (total - warmup))) * (1.0 - floor)
 
 
 class Run:
-    """One training run of configuration `cfg` (study_runs.py) on this rank; collective to build."""
+    """One training run of configuration `cfg` (runs.py) on this rank; collective to build."""
 
     def __init__(self, cfg: dict, profile: dict, device, task, reference: dict):
+        from subnet_ext.cli.methods import proc_status_bytes
+
+        self.rss_at_start = proc_status_bytes("VmRSS")  # before the model: what this configuration adds is above it
         self.cfg, self.device, self.task, self.reference = cfg, device, task, reference
         self.sizes = profile["tasks"][cfg["task"]]
         self.batch_size = batch_size_of(cfg, self.sizes)
@@ -117,13 +68,8 @@ class Run:
             apply_activation_checkpointing(model)
         self.stochastic = None
         if cfg.get("stochastic_depth"):
-            if cfg.get("sd_schedule") == "linear":
-                blocks = len(reference["blocks"])
-                self.stochastic = LinearStochasticDepth(model, linear_drop_rates(blocks, 1 - cfg["stochastic_depth"]),
-                                                        cfg["seed"], self.rank)
-            else:
-                self.stochastic = StochasticDepth(model, cfg["stochastic_depth"], cfg["seed"], self.rank)
-        self.method = _make_method(self.args, cfg, model, device, self.stochastic)
+            self.stochastic = StochasticDepth(model, cfg["stochastic_depth"], cfg["seed"], self.rank)
+        self.method = make_method(self.args, model, device, self.stochastic)
         self.optimizer = make_optimizer(self.method.parameters(), self.args)
         self.step, self.flops, self.seconds, self.steps_taken = 0, 0.0, 0.0, 0
         self.cooldown = None  # (first step, end step) of the cooldown branch being trained
@@ -146,7 +92,11 @@ class Run:
         """One optimizer step at the schedule's rate; the run's first step is counted by FlopCounterMode,
         the step `meter_at` by the StepMemoryMeter (neither is timed)."""
         stepper = self._stepper()
-        factor = lr_factor(self.step, self.sizes["warmup_steps"], self.cooldown)
+        if self.cfg.get("schedule") == "cosine":  # the anchor: the published recipe's own schedule
+            factor = recipe_lr_factor(self.step, self.sizes["warmup_steps"], self.sizes["steps"],
+                                      self.sizes["min_lr"] / self.sizes["lr"])
+        else:
+            factor = lr_factor(self.step, self.sizes["warmup_steps"], self.cooldown)
         for group in self.optimizer.param_groups:
             group["lr"] = self.args.lr * factor
         counting = not self._counted
@@ -239,7 +189,8 @@ class Run:
         from subnet_ext.cli.methods import proc_status_bytes
 
         return {"rank": self.rank, "meter": self.meter, "memory": self.memory,
-                "peak_rss_bytes": proc_status_bytes("VmHWM"), "counted_step_flops": self.counted_step_flops,
+                "peak_rss_bytes": proc_status_bytes("VmHWM"), "rss_at_start_bytes": self.rss_at_start,
+                "counted_step_flops": self.counted_step_flops,
                 "cpu_seconds": time.process_time() - self.cpu_started, "step_time_s": self.step_time(),
                 "timed_steps": len(self.times), "steps_taken": self.steps_taken, "train_losses": self.train_losses}
 

@@ -6,18 +6,19 @@ optimizer and, for SDP, its own owner-set process groups (destroyed afterwards).
 writes one JSON per configuration as soon as its job finishes, so an interrupted study
 resumes with the jobs still missing.
 
-A job (study_runs.jobs) is one trained configuration, the derived configurations that read
-their loss from it, and its final phases:
+A job (runs.jobs) is one trained configuration and the derived configurations that read
+their loss from it:
 1. each derived configuration is built and trained for `measure_steps` steps: its first
    step counted by FlopCounterMode, its third metered (StepMemoryMeter), the rest timed;
 2. the trained configuration takes its first (counted) step; then every mark is fixed
-   (study_runs: equal tokens, equal FLOPs, on CUDA equal wall time; its own and the derived
+   (runs.py: equal tokens, equal FLOPs, on CUDA equal wall time; its own and the derived
    configurations'), each with the cooldown branch that ends at it;
 3. the stable trajectory runs to the last branch's first step, evaluated on the grid,
    snapshotting each branch's first step, metering its third step (with stochastic depth,
    the step where this rank keeps the most blocks);
 4. each branch restores its snapshot, decays the rate to its mark and evaluates every model
-   a user could keep there; a final phase continues the equal-tokens branch in another regime.
+   a user could keep there.
+The anchor (the recipe's cosine schedule) trains straight to its one mark instead of 2-4.
 """
 from __future__ import annotations
 
@@ -29,10 +30,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from study_eval import evaluate_method
-from study_measure import block_training_flops, register_masked_linear_flops, reset_peak_rss
-from study_run import Run
-from study_runs import (MAX_EXTENSION, cooldown_steps, flops_mark, result_path, seconds_mark, tokens_mark)
+from .evaluation import evaluate_method
+from .measure import block_training_flops, register_masked_linear_flops, reset_peak_rss
+from .training import Run
+from .runs import (MAX_EXTENSION, cooldown_steps, flops_mark, result_path, seconds_mark, tokens_mark)
 from subnet_ext.cli.launch import init_distributed, pick_backend
 from subnet_ext.cli.stochastic_depth import residual_branches
 from subnet_ext.cli.tasks import build_task
@@ -42,7 +43,7 @@ METER_STEP = 2  # the third step: after the first (counted) and the optimizer st
 
 def run_group(spec: dict) -> None:
     """Entry point of every rank (subnet_ext.cli.launch.spawn_local): spec = {"device", "profile",
-    "out", "jobs": [job, ...]} (study_runs.jobs)."""
+    "out", "jobs": [job, ...]} (runs.jobs)."""
     backend, device = pick_backend("auto", spec["device"])
     init_distributed(backend, timeout_s=spec["profile"]["timeout"], device=device)
     register_masked_linear_flops()
@@ -56,9 +57,19 @@ def run_group(spec: dict) -> None:
         dist.barrier()
 
 
-def _task(sizes: dict, seed: int, batch_size: int):
-    return build_task(sizes["data"], sizes["model"], sizes["preset"], batch_size, sizes["seq_len"], seed,
+EVAL_BATCH = 64  # windows per evaluation forward (the task's batches are a rank's training batch: 3)
+
+
+def _task(sizes: dict, seed: int, batch_size: int, preset: str | None = None):
+    return build_task(sizes["data"], sizes["model"], preset or sizes["preset"], batch_size, sizes["seq_len"], seed,
                       eval_sequences=sizes["eval_sequences"])
+
+
+def _eval_batches(task) -> list:
+    """The task's held-out windows in batches of EVAL_BATCH (the same windows, fewer forwards)."""
+    pairs = list(task.eval_batches())
+    x, y = torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
+    return [(x[i:i + EVAL_BATCH], y[i:i + EVAL_BATCH]) for i in range(0, len(x), EVAL_BATCH)]
 
 
 def _reference(task, device) -> dict:
@@ -71,8 +82,9 @@ def _reference(task, device) -> dict:
 
 
 def _baseline(spec: dict, cfg: dict) -> dict | None:
-    """DDP's tokens, FLOPs and training seconds at its equal-tokens mark (same seed), or None for DDP."""
-    if cfg["name"] == cfg["baseline"]:
+    """DDP's tokens, FLOPs and training seconds at its equal-tokens mark (same seed), or None for DDP and
+    the runs read against nothing (the anchor)."""
+    if cfg["baseline"] in (None, cfg["name"]):
         return None
     with open(result_path(spec["out"], cfg["task"], cfg["K"], cfg["seed"], cfg["baseline"])) as f:
         at = json.load(f)["marks"]["tokens"]
@@ -84,13 +96,13 @@ def _context(job: dict, spec: dict, device) -> dict:
     sizes = profile["tasks"][cfg["task"]]
     task = _task(sizes, cfg["seed"], sizes["batch_size"])
     return {"profile": profile, "sizes": sizes, "device": device, "base": _baseline(spec, cfg),
-            "batches": list(task.eval_batches()), "reference": _reference(task, device)}
+            "batches": _eval_batches(task), "reference": _reference(task, device)}
 
 
 def _build(cfg: dict, ctx: dict) -> Run:
-    from study_runs import batch_size_of
+    from .runs import batch_size_of
 
-    task = _task(ctx["sizes"], cfg["seed"], batch_size_of(cfg, ctx["sizes"]))
+    task = _task(ctx["sizes"], cfg["seed"], batch_size_of(cfg, ctx["sizes"]), cfg.get("preset"))
     return Run(cfg, ctx["profile"], ctx["device"], task, ctx["reference"])
 
 
@@ -160,11 +172,20 @@ def _run_job(job: dict, spec: dict, device) -> None:
     # the same half-dozen locals around.
     ctx = _context(job, spec, device)
     cfg, profile, every = job["config"], ctx["profile"], ctx["sizes"]["eval_every"]
+    if cfg.get("measure_only"):  # the bf16 memory measurement: a few metered steps, no loss
+        m = _measure(cfg, ctx)
+        _write(spec, cfg, m["run"], {}, ctx, m["step_flops"], m["comm"], m["plan"], [])
+        return
     readers = {r["name"]: _measure(r, ctx) for r in job["readers"]}
     reset_peak_rss()
     run = _build(cfg, ctx)
     run.curve.append(_evaluate(run, ctx, every_model=False))
     run.step_once()  # counted: the FLOPs per step fix the marks
+    if cfg.get("schedule") == "cosine":  # the anchor: the recipe's own schedule, read where it ends
+        own = {"tokens": _to_end(run, ctx["sizes"]["steps"], every, ctx)}
+        _write(spec, cfg, _gather(run), own, ctx, run.step_flops, run.method.comm(), _plan(run), run.curve)
+        run.close()
+        return
     marks = _marks(run, ctx, readers)
     calibrate = 1
     if profile["wall_time"]:  # time a few steps first: the equal-time mark needs a step time
@@ -175,15 +196,10 @@ def _run_job(job: dict, spec: dict, device) -> None:
     branches = _branches(marks, profile["cooldown"], calibrate)
     last = max(branches.values())
     run.meter_at = _meter_step(run, last)
-    tokens_start = branches[marks[(cfg["name"], "tokens")]]
-    snapshots, phase_state = {}, None
+    snapshots = {}
     while True:
         if run.step in branches.values() and run.step not in snapshots:
             snapshots[run.step] = run.snapshot()
-        if run.step == tokens_start and job["phases"]:
-            phase_state = {"model": run.method.sdp.full_state_dict(),  # collective; each rank loads its pieces
-                           "optimizer": run.method.sdp.full_optimizer_state_dict(run.optimizer),
-                           "counters": (run.step, run.flops, run.seconds)}
         if run.step >= last:
             break
         run.step_once()
@@ -203,10 +219,20 @@ def _run_job(job: dict, spec: dict, device) -> None:
         at = {p: _as_reader(points[m], m, r) for (n, p), m in marks.items() if n == rname}
         _write(spec, rcfg, r["run"], at, ctx, r["step_flops"], r["comm"], r["plan"], [])
     run.close()
-    del run
-    gc.collect()
-    for phase in job["phases"]:
-        _run_phase(phase, phase_state, tokens_start, marks[(cfg["name"], "tokens")], ctx, spec)
+
+
+def _to_end(run: Run, end: int, every: int, ctx: dict) -> dict:
+    """Train on the run's own schedule to step `end` (metering its third step), evaluating on the grid;
+    returns the point evaluated there with every model."""
+    run.meter_at = METER_STEP
+    while run.step < end:
+        run.step_once()
+        if run.step % every == 0 and run.step < end:
+            run.curve.append(_evaluate(run, ctx, every_model=False))
+    point = _evaluate(run, ctx, every_model=True)
+    run.curve.append({k: v for k, v in point.items() if k in ("step", "tokens", "flops", "seconds", "loss",
+                                                                 "accuracy")})
+    return point
 
 
 def _cool(run: Run, start: int, mark: int, ctx: dict) -> dict:
@@ -218,20 +244,6 @@ def _cool(run: Run, start: int, mark: int, ctx: dict) -> dict:
     point = _evaluate(run, ctx, every_model=True)
     point["cooldown"] = [start, mark]
     return point
-
-
-def _run_phase(cfg: dict, state: dict, start: int, mark: int, ctx: dict, spec: dict) -> None:
-    """A final phase: the equal-tokens cooldown branch trained in another regime (collective). Its
-    first step is counted (FLOPs), its second metered."""
-    reset_peak_rss()
-    run = _build(cfg, ctx)
-    run.method.sdp.load_full_state_dict(state["model"])
-    run.method.sdp.load_full_optimizer_state_dict(run.optimizer, state["optimizer"])
-    run.step, run.flops, run.seconds = state["counters"]
-    run.meter_at = start + 1 if start + 1 < mark else start
-    point = _cool(run, start, mark, ctx)
-    _write(spec, cfg, _gather(run), {"tokens": point}, ctx, run.step_flops, run.method.comm(), _plan(run), [])
-    run.close()
 
 
 def _evaluate(run: Run, ctx: dict, every_model: bool) -> dict:
@@ -263,8 +275,11 @@ def _plan(run: Run) -> dict | None:
     plan = getattr(run.method, "plan", None)
     if plan is None:
         return None
+    full_flops = plan.shared_flops + float(plan.unit_flops.sum())
     return {"level": plan.level, "coverage": plan.coverage, "owner_count": [int(c) for c in plan.owner_count],
-            "units": [u.group for u in plan.units], "owners": plan.owners.int().tolist()}
+            "units": [u.group for u in plan.units], "owners": plan.owners.int().tolist(),
+            "flops_fraction": (plan.flops_per_rank / full_flops).tolist(),  # each subnetwork's forward / the full one's
+            "params_fraction": plan.held_fraction.tolist(), "flops_source": plan.flops_source}
 
 
 def _write(spec, cfg, per_rank, marks, ctx, step_flops, comm, plan, curve) -> None:
@@ -274,7 +289,9 @@ def _write(spec, cfg, per_rank, marks, ctx, step_flops, comm, plan, curve) -> No
     result = {"config": cfg, "profile": spec["profile"], "world_size": dist.get_world_size(),
               "step_flops": step_flops, "reference": ctx["reference"], "baseline": ctx["base"],
               "per_rank": per_rank, "comm": comm, "curve": curve, "marks": marks, "plan": plan,
-              "capped": not cfg.get("phase_of") and not {"tokens", "flops"} <= set(marks), "written": time.time()}
+              "capped": not (cfg.get("schedule") == "cosine" or cfg.get("measure_only"))
+              and not {"tokens", "flops"} <= set(marks),
+              "written": time.time()}
     path = result_path(spec["out"], cfg["task"], cfg["K"], cfg["seed"], cfg["name"])
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w") as f:

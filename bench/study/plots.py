@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from study_results import Results
+from .results import Results
 
 
 def _plt():
@@ -18,12 +18,44 @@ def _plt():
 
 
 def _families(res: Results, task: str, k: int) -> list[tuple[str, list[str]]]:
-    """(title, runs) per coverage: DDP, its dense control, stochastic depth and the SDP runs of that coverage
-    that have a trajectory of their own."""
+    """(title, runs) per coverage: DDP, the dense controls and stochastic depth of that size, and the SDP runs of
+    that coverage that have a trajectory of their own."""
+    from .analysis import dense_control_of
+
     names = [n for n in res.verdict_runs(task, k) if not res.config(task, k, n).get("derived_from")]
-    coverages = sorted({n.rsplit("-c", 1)[1] for n in names if n.startswith("sdp-")}, key=float, reverse=True)
-    return [(f"C = {c}", ["ddp"] + [n for n in names if n.endswith(f"-c{c}") or (c == "0.5" and n == "ddp-halfbatch")])
-            for c in coverages]
+    sdp = [n for n in names if n.startswith("sdp-")]
+    coverages = sorted({res.config(task, k, n)["coverage"] for n in sdp}, reverse=True)
+    out = []
+    for c in coverages:
+        runs = [n for n in sdp if res.config(task, k, n)["coverage"] == c]
+        controls = {dense_control_of(res.config(task, k, n), names) for n in runs} - {None}
+        extra = ["ddp-halfbatch", "ddp-sd-c0.5"] if c == 0.5 else []
+        out.append((f"C = {c:g}", ["ddp", *sorted(controls), *[n for n in extra if n in names], *runs]))
+    return out
+
+
+def plot_anchor(res: Results, task: str, folder: str, published: float) -> str | None:
+    """The recipe's validation loss against iterations (mean over seeds), in one process and on K ranks, with
+    the study's DDP and nanoGPT's published figure as a line."""
+    from .runs import MAIN_K
+
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    drawn = False
+    for k, name, label in ((1, "recipe", "recipe, one process"), (MAIN_K, "recipe", f"recipe, {MAIN_K} ranks"),
+                           (MAIN_K, "ddp", f"study's DDP (stable trajectory), {MAIN_K} ranks")):
+        if not res.seeds(task, k, name):
+            continue
+        xs, ys = res.mean_curve(task, k, name, "step")
+        ax.plot(xs[1:], ys[1:], label=label, linewidth=1.2)
+        drawn = True
+    if not drawn:
+        plt.close(fig)
+        return None
+    ax.axhline(published, color="k", linestyle=":", label=f"nanoGPT's README: about {published}")
+    ax.set_xlabel("iteration")
+    _label(ax, "val loss (every validation window)", f"{task}: nanoGPT's recipe reproduced")
+    return _save(plt, fig, os.path.join(folder, f"{task}-anchor-curves.png"))
 
 
 def plot_curves(res: Results, task: str, k: int, folder: str) -> list[str]:
@@ -77,7 +109,7 @@ def pareto_front(points: list[tuple[float, float, str]]) -> list[tuple[float, fl
 def memory_points(a: dict, protocol: str) -> list[tuple[float, float, float, str]]:
     """(peak memory per rank x DDP's, mean loss, std, run) of DDP and every run a user could choose."""
     out = []
-    for name, e in [("ddp", a["ddp"]), *((n, e) for n, e in a["runs"].items() if not e["config"].get("phase_of"))]:
+    for name, e in [("ddp", a["ddp"]), *a["runs"].items()]:
         pe = e["protocols"].get(protocol)
         if pe:
             out.append((1.0 if name == "ddp" else e["memory"], pe["loss"], pe["std"], name))

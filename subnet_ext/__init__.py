@@ -23,6 +23,7 @@ from .engine.guard import NonFiniteGuard, TooManySkippedSteps
 from .engine.optimizer_guard import StaleOptimizerError
 from .engine.state_dict_guard import PartialStateError
 from .planning.plan import SubnetPlan, Unit, plan_subnetworks
+from .planning.schedule import OwnershipSchedule
 from .planning.budget import MemoryFit, NoConfigurationFits, plan_for_memory
 
 __version__ = "0.1.0"
@@ -43,6 +44,7 @@ __all__ = [
     "SubnetPlan",
     "Unit",
     "plan_subnetworks",
+    "OwnershipSchedule",
     "plan_for_memory",
     "MemoryFit",
     "NoConfigurationFits",

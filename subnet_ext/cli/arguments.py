@@ -8,9 +8,22 @@ import os
 
 from ..planning.buckets import DEFAULT_BUCKET_CAP_MB
 from .launch import choose_backend
+from .training import DECAY_CHOICES
+from ..planning.assign import BLOCK_ASSIGNMENTS
+from ..planning.schedule import ASSIGNMENTS
 
 METHODS = ("ddp", "fsdp", "sdp")
 MODELS = ("mlp", "resnet", "llama", "gpt")  # and hf:DIR, a transformers causal LM's folder
+
+
+def _coverage(value: str):
+    """--coverage: one number, or one per rank separated by commas (a tuple)."""
+    try:
+        parts = [float(v) for v in value.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--coverage takes a number in (0, 1] or a comma-separated list of them, got "
+                                         f"{value!r}") from None
+    return parts[0] if len(parts) == 1 else tuple(parts)
 
 
 def _model_name(value: str) -> str:
@@ -32,7 +45,8 @@ Coverage C: the fraction of ranks that own each unit (a neuron, head, channel or
 block); each unit gets round(C x ranks) owners, at least one. The SDP options apply to
 --method sdp only. Docs: docs/command-line.md."""
 
-SDP_ONLY = ("level", "regime", "coverage", "sync_every", "scale", "no_overlap")  # ignored by ddp and fsdp
+SDP_ONLY = ("level", "regime", "coverage", "sync_every", "scale", "no_overlap", "assignment", "reassign_every",
+            "block_assignment")  # ignored by ddp and fsdp
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -58,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "gpt: tiny|small|medium)")
     p.add_argument("--width", type=int, default=None, help="override the preset's width")
     p.add_argument("--data", default="digits", help="digits (bundled) | cifar:PATH (python-pickle layout) "
-                   "| synthetic | pysrc (the Python standard library's sources as characters) | tokens:PATH.bin")
+                   "| synthetic | pysrc (the Python standard library's sources as characters) | shakespeare[:PATH] "
+                   "(nanoGPT's Tiny Shakespeare; default path $SUBNET_EXT_TINY_SHAKESPEARE) | tokens:PATH.bin")
     _add_sdp_args(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the model, the data order and the plan")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps")
@@ -66,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (language models)")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    p.add_argument("--decay", choices=DECAY_CHOICES, default="all",
+                   help="what --weight-decay applies to: every parameter, or matrices (tensors of 2+ dimensions: no "
+                        "decay on biases and norms, as nanoGPT)")
+    p.add_argument("--beta2", type=float, default=0.999, help="AdamW's second-moment decay (nanoGPT's Shakespeare "
+                                                              "recipe: 0.99)")
     p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: only at the end)")
     _add_training_args(p)
     run = p.add_argument_group("launch")
@@ -100,8 +120,20 @@ def _add_sdp_args(p: argparse.ArgumentParser) -> None:
     sdp.add_argument("--regime", choices=("forward", "backward"), default="forward",
                      help="forward: each rank runs only its subnetwork; backward: the full forward, gradients and "
                           "optimizer state only for the owned units")
-    sdp.add_argument("--coverage", type=float, default=0.5,
-                     help="fraction of ranks owning each unit, in (0, 1]; rounded to whole owners, at least one")
+    sdp.add_argument("--coverage", type=_coverage, default=0.5,
+                     help="fraction of ranks owning each unit, in (0, 1]; rounded to whole owners, at least one; or one "
+                          "value per rank, comma-separated (1,0.5,0.5,0.25: ranks with unequal memory)")
+    sdp.add_argument("--block-assignment", choices=BLOCK_ASSIGNMENTS, default="balanced",
+                     help="block level's static pattern: owner windows balanced by bytes and FLOPs, or contiguous runs "
+                          "of neighbouring blocks (every neighbour pair but the wrap trained together)")
+    sdp.add_argument("--assignment", choices=ASSIGNMENTS, default="static",
+                     help="how ownership moves during training: static (the plan's), redraw (a seeded permutation of "
+                          "the units every --reassign-every steps), rolling (each rank's units shift by "
+                          "--assignment-shift every --reassign-every steps)")
+    sdp.add_argument("--reassign-every", type=int, default=0, metavar="N",
+                     help="optimizer steps between changes of assignment (redraw, rolling; a multiple of --sync-every)")
+    sdp.add_argument("--assignment-shift", type=int, default=1, metavar="S",
+                     help="rolling: positions each rank's units move per change")
     sdp.add_argument("--sync-every", type=int, default=1,
                      help="H: 1 averages gradients every step; H > 1 averages parameters every H steps")
     sdp.add_argument("--scale", choices=("none", "inverse"), default="none",
@@ -140,7 +172,8 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--compile", action="store_true",
                    help="torch.compile the training forward (sdp/ddp: the wrapper; fsdp: the model)")
     t.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
-                   help="constant, or cosine to 0 at --steps (after the warmup)")
+                   help="constant, or cosine to --min-lr at --steps (after the warmup)")
+    t.add_argument("--min-lr", type=float, default=0.0, help="where the cosine schedule ends (nanoGPT's min_lr)")
     t.add_argument("--warmup-steps", type=int, default=0, help="linear warmup over N optimizer steps")
     t.add_argument("--grad-accum", type=int, default=1, metavar="N",
                    help="micro-batches of --batch-size per optimizer step (the first N-1 without communication)")
@@ -148,8 +181,14 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Rejects values argparse's types cannot, with the value in the message."""
-    if not 0.0 < args.coverage <= 1.0:
-        p.error(f"--coverage must be in (0, 1], got {args.coverage}")
+    coverages = args.coverage if isinstance(args.coverage, (list, tuple)) else [args.coverage]
+    if not all(0.0 < c <= 1.0 for c in coverages):
+        p.error(f"--coverage must be in (0, 1] (each value of a list), got {args.coverage}")
+    if args.assignment != "static" and args.reassign_every < 1:
+        p.error(f"--assignment {args.assignment} needs --reassign-every N >= 1, got {args.reassign_every}")
+    if args.reassign_every and args.reassign_every % args.sync_every:
+        p.error(f"--reassign-every {args.reassign_every} must be a multiple of --sync-every {args.sync_every} (a change "
+                "of assignment falls on an averaging point)")
     if not 0 <= args.seed < 2**31:
         p.error(f"--seed must be in [0, 2**31), got {args.seed}")
     for name in ("steps", "batch_size", "seq_len", "sync_every", "grad_accum", "log_every"):
@@ -162,6 +201,10 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--lr must be positive and finite, got {args.lr}")
     if not (args.weight_decay >= 0 and math.isfinite(args.weight_decay)):
         p.error(f"--weight-decay must be >= 0 and finite, got {args.weight_decay}")
+    if not 0.0 <= args.beta2 < 1.0:
+        p.error(f"--beta2 must be in [0, 1), got {args.beta2}")
+    if not (0.0 <= args.min_lr <= args.lr and math.isfinite(args.min_lr)):
+        p.error(f"--min-lr must be in [0, --lr = {args.lr}], got {args.min_lr}")
     _check_training_args(p, args)
     _check_method_options(p, args)
     if args.width is not None and args.width < 1:

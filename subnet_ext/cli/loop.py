@@ -52,10 +52,13 @@ def make_method(args: Namespace, model, device, stochastic_depth=None):
     # FLOPs traced at the task's input size, so blocks are balanced by compute as well as bytes
     sample = sample_input_for(args.model, model, getattr(args, "seq_len", 64), getattr(args, "data", None))
     plan = plan_subnetworks(model, world_size=data_rank(args)[1], coverage=args.coverage, level=args.level,
-                            seed=args.seed, sample_input=sample)
+                            seed=args.seed, sample_input=sample,
+                            block_assignment=getattr(args, "block_assignment", "balanced"))
     return SDPMethod(model, plan, args.regime, args.sync_every, args.scale, bucket_cap_mb=bucket_cap_mb,
                      overlap=not getattr(args, "no_overlap", False), simulate_rank=getattr(args, "simulate_rank", None),
-                     timeout=args.timeout, shard_shared=getattr(args, "shard_shared", False))
+                     timeout=args.timeout, shard_shared=getattr(args, "shard_shared", False),
+                     assignment=getattr(args, "assignment", "static"), reassign_every=getattr(args, "reassign_every", 0),
+                     assignment_shift=getattr(args, "assignment_shift", 1))
 
 
 @torch.no_grad()
@@ -247,7 +250,9 @@ def _report(args, task, method, per_rank, comm, final, history, world):
         "simulated": ({"rank": args.simulate_rank, "world_size": args.world_size}
                       if getattr(args, "simulate_rank", None) is not None else None),
         "sdp": {"level": args.level, "regime": args.regime, "coverage": args.coverage,
-                "sync_every": args.sync_every, "scale": args.scale} if args.method == "sdp" else None,
+                "sync_every": args.sync_every, "scale": args.scale, "assignment": getattr(args, "assignment", "static"),
+                "reassign_every": getattr(args, "reassign_every", 0),
+                "block_assignment": getattr(args, "block_assignment", "balanced")} if args.method == "sdp" else None,
         "plan": method.plan.summary() if args.method == "sdp" else None,
         "final": final,
         "per_rank": per_rank,
@@ -263,7 +268,12 @@ def _report(args, task, method, per_rank, comm, final, history, world):
 def _label(args):
     if args.method != "sdp":
         return args.method
-    return f"sdp-{args.level}-{args.regime}-c{args.coverage:g}"
+    from ..planning.coverage import is_per_rank
+
+    coverage = "-".join(f"{c:g}" for c in args.coverage) if is_per_rank(args.coverage) else f"{args.coverage:g}"
+    moving = getattr(args, "assignment", "static")
+    schedule = f"-{moving}{args.reassign_every}" if moving != "static" else ""
+    return f"sdp-{args.level}-{args.regime}{schedule}-c{coverage}"
 
 
 def _median(xs):

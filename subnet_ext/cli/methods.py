@@ -300,12 +300,15 @@ class SDPMethod(Method):
     name = "sdp"
 
     def __init__(self, model, plan, regime, sync_every, scale, process_group=None, bucket_cap_mb=DEFAULT_BUCKET_CAP_MB,
-                 overlap=True, simulate_rank=None, timeout=None, shard_shared=False):
+                 overlap=True, simulate_rank=None, timeout=None, shard_shared=False, assignment="static",
+                 reassign_every=0, assignment_shift=1):
         from ..engine import SDPConfig, SubnetDataParallel
 
         super().__init__(model)
         config = SDPConfig(regime=regime, sync_every=sync_every, scale=scale, bucket_cap_mb=bucket_cap_mb,
-                           overlap=overlap, timeout=timeout, shard_shared=shard_shared)
+                           overlap=overlap, timeout=timeout, shard_shared=shard_shared, assignment=assignment,
+                           reassign_every=reassign_every, assignment_shift=assignment_shift,
+                           assignment_seed=plan.seed)
         self.sdp = SubnetDataParallel(model, plan, config, process_group=process_group, simulate_rank=simulate_rank)
         self.plan = plan
         self.simulated = simulate_rank is not None  # one rank alone: only its own subnetwork can be evaluated

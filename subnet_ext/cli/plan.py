@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from ..planning.costs import choose_strategy, predicted_comm
+from ..planning.coverage import describe
 from ..planning.memory_model import model_state, replicated_model_state
 from ..planning.sharding import predicted_fsdp_comm
 from ..models import GPT_PRESETS, LLAMA_PRESETS, build_model
@@ -125,7 +126,7 @@ def sharded_row(plan, regime: str, strategy: str) -> tuple:
     units = [predicted_comm(plan, r, strategy, regime, shard_shared=True) for r in range(k)]
     fsdp = predicted_fsdp_comm(plan)
     ring = max(c["ring_bytes"] for c in units) + (k - 1) / k * fsdp["bytes"]
-    return (f"sdp ({plan.level}, {regime}, C={plan.coverage:g}, {strategy}, shard-shared)", state, ring,
+    return (f"sdp ({plan.level}, {regime}, C={describe(plan.coverage)}, {strategy}, shard-shared)", state, ring,
             max(c["collectives"] for c in units) + fsdp["collectives"])
 
 
@@ -139,7 +140,7 @@ def cost_table(plan, regime: str, shard_shared: bool = False) -> str:
     rows = [
         ("ddp", replicated_model_state(plan), 2 * (k - 1) / k * full, "per bucket"),
         ("fsdp", replicated_model_state(plan, world_size=k), 3 * (k - 1) / k * full, "3 per layer"),
-        (f"sdp ({plan.level}, {regime}, C={plan.coverage:g}, {strategy})", sdp_state,
+        (f"sdp ({plan.level}, {regime}, C={describe(plan.coverage)}, {strategy})", sdp_state,
          max(c["ring_bytes"] for c in sdp_comm), max(c["collectives"] for c in sdp_comm)),
     ]
     if shard_shared:

@@ -144,6 +144,8 @@ def resume(args, method, optimizer) -> tuple[int, dict] | None:
         where = mode
     folder, manifest, _ = find_checkpoint(where)
     check_compatible(folder, manifest, args)
+    if getattr(method, "sdp", None) is not None:  # the schedule's assignment at that step, before its state loads
+        method.sdp.set_step(manifest["step"], optimizers=[optimizer])
     _load_method_state(method, optimizer, folder, manifest)
     step = manifest["step"]
     restore_rng([r["rng"] if r else None for r in manifest["ranks"]], dist.get_rank(), dist.get_world_size(),

@@ -97,12 +97,13 @@ class _BucketState:
 class _Pass:
     """One synchronisation: the averaging of one backward's gradients, or of the parameters.
 
+    states: the buckets it averages (those of the quantity's period), in the one global order;
     waiting[i]: gradients bucket i still waits for (a backward's); next: the first bucket not
-    issued yet (they are issued in the one global order); issued: (bucket state, its
-    reduction in flight), in issue order."""
+    issued yet (they are issued in that order); issued: (bucket state, its reduction in flight),
+    in issue order."""
 
     def __init__(self, quantity: Quantity, states: list[_BucketState]):
-        self.quantity = quantity
+        self.quantity, self.states = quantity, states
         self.waiting = [s.param_pieces for s in states]
         self.next = 0
         self.issued = []
@@ -120,8 +121,9 @@ class BucketedAverager:
             builds it from the rank's layout): where each piece's value lives, and for an
             owned parameter piece the Parameter whose gradient carries it.
         overlap: issue a bucket during the backward as soon as it is ready.
-        average_gradients: False with sync_every > 1 (parameters are averaged after
-            optimizer steps instead): gradient reports then do nothing.
+        Each bucket's period (buckets.py; the engine's sync_every): period 1 averages its gradients
+        in every synchronising backward; H > 1 averages its parameters when asked at a step that
+        is a multiple of H (`average_now`), its gradient reports doing nothing (local SGD).
         reduction: how gradient buckets are averaged (reduction.py; default AllReduce);
             `set_reduction` changes it (a comm hook). Parameters always go by AllReduce.
 
@@ -130,10 +132,8 @@ class BucketedAverager:
     """
 
     def __init__(self, buckets: list[Bucket], rank: int, communicator: Communicator, device: torch.device,
-                 places: Mapping[Piece, PiecePlace], overlap: bool = True, average_gradients: bool = True,
-                 reduction: Reduction | None = None):
+                 places: Mapping[Piece, PiecePlace], overlap: bool = True, reduction: Reduction | None = None):
         self.comm, self.device, self.overlap = communicator, device, overlap
-        self.average_gradients = average_gradients
         self.reduction = reduction if reduction is not None else AllReduce(Quantity.GRADIENTS)
         self._parameter_reduction = AllReduce(Quantity.PARAMETERS)
         self.places = dict(places)
@@ -143,16 +143,21 @@ class BucketedAverager:
             if place.trainable:
                 self._pieces_of_param.setdefault(id(place.param), []).append(place.piece)
         self.states = [_BucketState(b, i, rank) for i, b in enumerate(buckets) if rank in b.owners]
-        self.buckets_of_piece = {}
-        for i, s in enumerate(self.states):
+        self.gradient_states = [s for s in self.states if s.bucket.period == 1]  # averaged in each backward
+        self.buckets_of_piece = {}  # piece -> its gradient buckets' positions in gradient_states
+        for i, s in enumerate(self.gradient_states):
             for p, _ in s.held:
                 self.buckets_of_piece.setdefault(p, []).append(i)
         self.issued_during_backward = 0  # buckets issued before the backward ended (overlap)
         self.prepared = PreparedTables()  # segment tables validated once per layout
         self._homes = {}  # id(parameter) -> its gradient home (made at its first issue)
         self._bucket_places = {}  # id(parameter) -> (bucket state, offset) of a home inside a bucket
-        if average_gradients:
-            self._place_gradients()
+        self._place_gradients()
+
+    @property
+    def average_gradients(self) -> bool:
+        """True when some bucket's gradients are averaged in each synchronising backward (period 1)."""
+        return bool(self.gradient_states) or not self.states
 
     def set_reduction(self, reduction: Reduction) -> None:
         """Average gradient buckets by `reduction` from the next backward on (a comm hook)."""
@@ -164,7 +169,7 @@ class BucketedAverager:
     def _place_gradients(self) -> None:
         """Decide each communicated parameter's gradient home: in its bucket when the
         parameter is one whole piece in one bucket that is not zero-filled, else standalone."""
-        for s in self.states:
+        for s in self.gradient_states:
             seen = set()
             for p, off in s.held:
                 place = self.places[p]
@@ -254,7 +259,7 @@ class BucketedAverager:
         """A 1-D view [numel] of `piece`'s place in its bucket buffer, for a kernel to write
         the gradient into directly (the piece is then neither packed nor unpacked; its view
         is averaged in place). None unless the piece's gradient lives in a bucket here."""
-        s = next((s for s in self.states if piece in s.in_place), None)
+        s = next((s for s in self.gradient_states if piece in s.in_place), None)
         if s is None or s.in_place[piece][1] != numel:
             return None
         # Its readiness now comes from the kernel's call (on_grad_ready), not from the
@@ -272,11 +277,11 @@ class BucketedAverager:
         the end-of-backward callback on the autograd engine."""
         if param is not None:
             pieces = self._pieces_of_param.get(id(param), ())
-        if not self.average_gradients:
+        if not self.gradient_states:
             return  # local SGD: parameters are averaged after optimizer steps instead
         run = self._backward
         if run is None:
-            run = self._backward = _Pass(Quantity.GRADIENTS, self.states)
+            run = self._backward = _Pass(Quantity.GRADIENTS, self.gradient_states)
             Variable._execution_engine.queue_callback(self._after_backward)
         for p in pieces:
             for i in self.buckets_of_piece.get(p, ()):
@@ -286,7 +291,7 @@ class BucketedAverager:
                                        "backward; this is a bug in the engine's hooks")
         if self.overlap:
             with torch.no_grad():
-                while run.next < len(self.states) and run.waiting[run.next] <= 0:
+                while run.next < len(run.states) and run.waiting[run.next] <= 0:
                     self._issue(run)
                     self.issued_during_backward += 1
 
@@ -295,14 +300,22 @@ class BucketedAverager:
         with torch.no_grad():
             self._finish(run)
 
-    def average_now(self, quantity: Quantity | str) -> None:
-        """Average every held piece's `quantity` ("parameters" or "gradients") right away."""
+    def average_now(self, quantity: Quantity | str, step: int | None = None) -> None:
+        """Average held pieces' `quantity` right away: "gradients" of the period-1 buckets, or "parameters"
+        of every bucket (step None), or at optimizer step `step` of the buckets whose period H > 1 divides it."""
+        quantity = Quantity(quantity)
+        if quantity is Quantity.GRADIENTS:
+            states = self.gradient_states
+        elif step is None:
+            states = self.states
+        else:
+            states = [s for s in self.states if s.bucket.period > 1 and step % s.bucket.period == 0]
         with torch.no_grad():
-            self._finish(_Pass(Quantity(quantity), self.states))
+            self._finish(_Pass(quantity, states))
 
     def _issue(self, run: _Pass) -> None:
         """Pack the next bucket of `run` into its buffer and start its reduction."""
-        s = self.states[run.next]
+        s = run.states[run.next]
         run.next += 1
         buffer = s.ensure_buffer(self.device, self.comm)
         gradients = run.quantity is Quantity.GRADIENTS
@@ -320,7 +333,7 @@ class BucketedAverager:
     def _finish(self, run: _Pass) -> None:
         """Issue what is left of `run` (in order), wait for each bucket in turn and unpack it
         into the pieces' tensors times their scales."""
-        while run.next < len(self.states):
+        while run.next < len(run.states):
             self._issue(run)
         for s, reduction, pending in run.issued:
             pending.wait()

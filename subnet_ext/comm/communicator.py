@@ -36,6 +36,7 @@ class Quantity(str, enum.Enum):
     GRADIENTS = "gradients"  # averaged in every synchronising backward (sync_every=1)
     PARAMETERS = "parameters"  # averaged after optimizer steps (sync_every > 1)
     REFRESH = "refresh"  # the backward regime's broadcasts of the leaders' values
+    REASSIGN = "reassign"  # what changes hands at a change of assignment (engine/reassignment.py)
 
     def __str__(self) -> str:
         return self.value
@@ -169,6 +170,23 @@ class Communicator:
                                          self.timeout)
 
 
+    def exchange(self, ops: list, quantity: Quantity | str) -> None:
+        """Point-to-point messages: ops = [("send" | "recv", contiguous tensor, plan rank of the peer)],
+        posted together (torch's batch_isend_irecv) and waited for; the sends' bytes are counted.
+        Every rank lists its messages to and from each peer in one agreed order."""
+        if not ops:
+            return
+        p2p = []
+        for kind, tensor, peer in ops:
+            if kind == "send":
+                self.counter.add(quantity, tensor)
+            p2p.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, self._global(peer),
+                                  group=self.process_group))
+        for work in dist.batch_isend_irecv(p2p):
+            collectives.wait(work, f"{quantity} exchange", collectives.describe_group(range(self.world_size),
+                                                                                       self.world_size), self.timeout)
+
+
 _LIVE: "weakref.WeakSet[Communicator]" = weakref.WeakSet()  # communicators that made process groups
 
 
@@ -209,3 +227,9 @@ class SimulatedCommunicator(Communicator):
     def broadcast(self, buffer, src, quantity):
         """Count the bytes of `buffer`; no communication (the buffer keeps this rank's values)."""
         self.counter.add(quantity, buffer)
+
+    def exchange(self, ops, quantity):
+        """Count the sends' bytes; no communication (a received buffer keeps what it held)."""
+        for kind, tensor, _ in ops:
+            if kind == "send":
+                self.counter.add(quantity, tensor)

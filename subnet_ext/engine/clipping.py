@@ -16,7 +16,10 @@ one of them gives the norm DDP would compute (C = 1: the same up to summation or
 
 With sync_every = H > 1 gradients are never averaged (local SGD between parameter
 averages): each rank then clips by the norm of its *own* gradients, with no
-communication, as local SGD does.
+communication, as local SGD does. With a period per unit group, some gradients are averaged
+every step and others stay local: the norm is then that of the averaged gradients (each piece
+counted once) together with every rank's local ones (each holder counts its own), one number
+on every rank, so the averaged pieces' owners keep applying the same update.
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ def _check_args(max_norm, norm_type) -> float:
 
 
 def synchronised_grad_norm(layout: RankLayout, norm_type: float = 2.0, communicate: bool = False, group=None,
-                           timeout: float | None = None) -> torch.Tensor:
+                           timeout: float | None = None, local=None) -> torch.Tensor:
     """The norm of the whole model's synchronised gradient: a 0-d float32 tensor, the
     same on every rank. Collective over `group` (one all-reduce of one number) when
     `communicate` (False: one rank, a simulated rank, or no torch.distributed: the norm of
@@ -49,10 +52,12 @@ def synchronised_grad_norm(layout: RankLayout, norm_type: float = 2.0, communica
     Args:
         layout: this rank's RankLayout (where each piece's gradient lives).
         group: the engine's world group (None: the default group); timeout: its deadline.
+        local: piece -> True when its gradient is not averaged (a period > 1): every holder counts it.
     """
     norm_type = _check_args(1.0, norm_type)
     # A sharded shared parameter's rows are held once each, by one rank: every rank counts its own.
-    led = [view for piece, view in layout.held_gradients() if layout.contributes(piece)]
+    led = [view for piece, view in layout.held_gradients()
+           if layout.contributes(piece) or (local is not None and local(piece))]
     device = led[0].device if led else layout.device
     if led:
         # Per-piece norms in fp32 (halves accumulate in fp32), then the norm of the norms.
@@ -76,7 +81,7 @@ def synchronised_grad_norm(layout: RankLayout, norm_type: float = 2.0, communica
 
 def clip_grad_norm_(layout: RankLayout, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                     foreach: bool | None = None, *, local_sgd: bool = False, communicate: bool = False, group=None,
-                    timeout: float | None = None) -> torch.Tensor:
+                    timeout: float | None = None, local=None) -> torch.Tensor:
     """Clip every gradient this rank holds by the norm of the whole model's gradient.
 
     Args:
@@ -87,7 +92,7 @@ def clip_grad_norm_(layout: RankLayout, max_norm: float, norm_type: float = 2.0,
             the norm is inf or NaN, instead of scaling by a NaN coefficient.
         foreach: passed to torch's scaling of the gradients (None: torch's default).
         local_sgd: sync_every > 1: each rank clips by its own gradients, no communication.
-        communicate, group, timeout: as synchronised_grad_norm's.
+        communicate, group, timeout, local: as synchronised_grad_norm's.
     Returns:
         the total norm before clipping, a 0-d float32 tensor equal on every rank when
         not `local_sgd` (collective); this rank's own norm with `local_sgd`.
@@ -96,7 +101,7 @@ def clip_grad_norm_(layout: RankLayout, max_norm: float, norm_type: float = 2.0,
     params = [p for p in layout.trainable if p.grad is not None]
     if local_sgd:
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
-    total = synchronised_grad_norm(layout, norm_type, communicate, group, timeout)
+    total = synchronised_grad_norm(layout, norm_type, communicate, group, timeout, local)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RuntimeError(f"The total norm of order {norm_type} of the gradients of the whole model is "
                            f"non-finite ({total.item()}), so it cannot be clipped; pass error_if_nonfinite=False "

@@ -12,8 +12,11 @@ built (`check_plan`).
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
@@ -21,6 +24,7 @@ from ..comm.collectives import as_timedelta
 from ..planning.buckets import DEFAULT_BUCKET_CAP_MB
 from ..planning.costs import DEFAULT_LATENCY_BYTES, STRATEGIES
 from ..planning.plan import SubnetPlan
+from ..planning.schedule import OwnershipSchedule, check_periods
 
 REGIMES = ("forward", "backward")
 SCALES = ("none", "inverse")
@@ -41,7 +45,10 @@ class SDPConfig:
         regime: "forward" (materialise only the subnetwork) or "backward" (full model,
             owned weight gradients and optimizer state only).
         sync_every: H; 1 averages gradients every step, H > 1 averages parameters every
-            H optimizer steps (local SGD within owner groups).
+            H optimizer steps (local SGD within owner groups). Or a period per unit group (DreamDDP):
+            {"shared": 1, "units": 4} averages the shared parameters' gradients every step and the
+            units' parameters every 4 steps; a key may also be a pattern of unit group paths
+            ("transformer.h.*", fnmatch), which takes precedence over "units"; unnamed: 1.
         scale: "inverse" multiplies the input of each neuron group's consumer by h/h_k
             (forward regime, neuron level); "none" does nothing.
         strategy: "auto" (cost model), "groups" (collectives per owner set) or
@@ -77,7 +84,7 @@ class SDPConfig:
     """
 
     regime: str = "forward"
-    sync_every: int = 1
+    sync_every: int | Mapping[str, int] = 1
     scale: str = "none"
     strategy: str = "auto"
     latency_bytes: float = DEFAULT_LATENCY_BYTES
@@ -88,9 +95,15 @@ class SDPConfig:
     eval_forward: str = "subnetwork"
     buffer_sync: str = "average"
     reduce_dtype: torch.dtype | str | None = None
+    assignment: str = "static"
+    reassign_every: int = 0
+    assignment_shift: int = 1
+    assignment_seed: int = 0
 
     def __post_init__(self):
-        for name in ("sync_every", "latency_bytes", "bucket_cap_mb", "timeout"):
+        if isinstance(self.sync_every, Mapping):
+            object.__setattr__(self, "sync_every", _periods(self.sync_every))
+        for name in ("latency_bytes", "bucket_cap_mb", "timeout") + (() if self.periodic else ("sync_every",)):
             value = getattr(self, name)
             if not (_is_number(value) or isinstance(value, bool) or (name == "timeout" and value is None)):
                 kind = "an int >= 1" if name == "sync_every" else \
@@ -98,8 +111,9 @@ class SDPConfig:
                 raise TypeError(f"{name} must be {kind}, got {type(value).__name__} {value!r}")
         if self.regime not in REGIMES:
             raise ValueError(f"regime must be 'forward' or 'backward', got {self.regime!r}")
-        if not isinstance(self.sync_every, int) or isinstance(self.sync_every, bool) or self.sync_every < 1:
-            raise ValueError(f"sync_every must be an int >= 1, got {self.sync_every!r}")
+        if not self.periodic and (not isinstance(self.sync_every, int) or isinstance(self.sync_every, bool)
+                                  or self.sync_every < 1):
+            raise ValueError(f"sync_every must be an int >= 1 (or a period per unit group), got {self.sync_every!r}")
         if self.scale not in SCALES:
             raise ValueError(f"scale must be 'none' or 'inverse', got {self.scale!r}")
         if self.eval_forward not in EVAL_FORWARDS:
@@ -116,18 +130,59 @@ class SDPConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         as_timedelta(self.timeout)  # a positive, finite number of seconds, or None
-        if self.shard_shared and self.sync_every != 1:
+        if self.shard_shared and not self.every_step:
             raise ValueError(f"shard_shared=True averages the shared parameters' gradients every step (FSDP2's "
                              f"reduce-scatter), so it needs sync_every=1, got sync_every={self.sync_every}; use "
                              "shard_shared=False for local SGD")
         object.__setattr__(self, "reduce_dtype", _wire_dtype(self.reduce_dtype))
-        if self.reduce_dtype is not None and self.sync_every != 1:
+        if self.reduce_dtype is not None and not self.every_step:
             raise ValueError(f"reduce_dtype={self.reduce_dtype} is the dtype gradients travel in, so it needs "
                              f"sync_every=1, got sync_every={self.sync_every} (which averages the parameters "
                              "themselves, in their own dtype); use reduce_dtype=None for local SGD")
         if self.reduce_dtype is not None and self.shard_shared:
             raise ValueError(f"reduce_dtype={self.reduce_dtype} applies to SDP's buckets, but with shard_shared=True "
                              "FSDP2 reduces the shared parameters' gradients in their own dtype; use one of the two")
+        schedule = self.schedule  # OwnershipSchedule checks assignment, reassign_every, shift and seed
+        check_periods(schedule, self.longest_period)
+        if schedule.moves and self.shard_shared:
+            raise ValueError(f"assignment={self.assignment!r} moves units between ranks, which FSDP2's sharding of the "
+                             "shared parameters does not follow yet; use shard_shared=False or assignment='static'")
+
+    @property
+    def periodic(self) -> bool:
+        """True when sync_every gives a period per unit group (a mapping)."""
+        return isinstance(self.sync_every, Mapping)
+
+    @property
+    def periods(self) -> set:
+        """Every synchronisation period in use (those of sync_every's mapping, 1 for what it does not name)."""
+        return set(self.sync_every.values()) | {1} if self.periodic else {self.sync_every}
+
+    @property
+    def every_step(self) -> bool:
+        """True when everything is averaged every step (gradients, not parameters)."""
+        return self.periods == {1}
+
+    @property
+    def longest_period(self) -> int:
+        """The least common multiple of the periods: a step where everything is averaged."""
+        return math.lcm(*self.periods)
+
+    def period_of(self, group_path: str | None) -> int:
+        """The synchronisation period of a unit group (its module path), or of the shared parameters (None)."""
+        if not self.periodic:
+            return self.sync_every
+        if group_path is None:
+            return self.sync_every.get("shared", 1)
+        for pattern, period in self.sync_every.items():
+            if pattern not in ("shared", "units") and fnmatch.fnmatchcase(group_path, pattern):
+                return period
+        return self.sync_every.get("units", 1)
+
+    @property
+    def schedule(self) -> OwnershipSchedule:
+        """The ownership schedule these options describe (planning/schedule.py)."""
+        return OwnershipSchedule(self.assignment, self.reassign_every, self.assignment_shift, self.assignment_seed)
 
     @property
     def bucket_cap_bytes(self) -> float:
@@ -136,12 +191,31 @@ class SDPConfig:
 
     def check_plan(self, plan: SubnetPlan) -> None:
         """ValueError unless these options apply to `plan` (scale="inverse" needs a neuron-level
-        plan in the forward regime)."""
+        plan in the forward regime; every group pattern of sync_every names some unit group)."""
         if not isinstance(plan, SubnetPlan):
             raise ValueError(f"plan must be a SubnetPlan, got {type(plan).__name__}")
+        for pattern in (self.sync_every if self.periodic else ()):
+            if pattern not in ("shared", "units") and not any(fnmatch.fnmatchcase(g.path, pattern) for g in plan.groups):
+                raise ValueError(f"sync_every: {pattern!r} matches no unit group of the plan (its groups: "
+                                 f"{', '.join(g.path for g in plan.groups[:6])}{', ...' if len(plan.groups) > 6 else ''}"
+                                 "); use 'shared', 'units' or a pattern of group paths")
         if self.scale == "inverse" and (plan.level != "neuron" or self.regime != "forward"):
             raise ValueError(f"scale='inverse' applies to the neuron level in the forward regime; this plan is "
                              f"level={plan.level!r} and regime={self.regime!r}")
+
+
+def _periods(mapping: Mapping) -> MappingProxyType:
+    """sync_every's mapping, checked: str keys ('shared', 'units' or group path patterns) to ints >= 1; read-only."""
+    out = {}
+    for key, period in mapping.items():
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"sync_every: keys are 'shared', 'units' or unit group path patterns, got {key!r}")
+        if not isinstance(period, int) or isinstance(period, bool) or period < 1:
+            raise ValueError(f"sync_every[{key!r}] must be an int >= 1, got {period!r}")
+        out[key] = period
+    if not out:
+        raise ValueError("sync_every: an empty mapping; give an int, or periods such as {'shared': 1, 'units': 4}")
+    return MappingProxyType(out)
 
 
 def _wire_dtype(value) -> torch.dtype | None:

@@ -34,12 +34,13 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from ..comm.call_check import CallLedger, collective_method
 from ..planning.pieces import global_pieces
 from ..planning.plan import SubnetPlan, model_fingerprint
+from ..planning.schedule import plan_at, warn_if_never_co_trained
 from ..state import consistency, full_optim_state
 from ..state.tied_exports import with_aliases, without_aliases
 from ..state.assembly import assemble, load_pieces
 from ..state.layout import RankLayout
-from . import clipping, evaluation, guard, reports
-from .communication import build_communication
+from . import clipping, evaluation, guard, reassignment, reports
+from .communication import build_communication, piece_periods
 from .config import SDPConfig, config_from
 from .ddp_interface import DDPInterface
 from .engine_parts import EngineParts
@@ -47,7 +48,7 @@ from .eval_mode import EvalForward
 from .optimizer_guard import OptimizerGuard
 from .phase import Phase
 from .residual_scale import check_residual_scale, scale_full_state
-from .restore import meta_skeleton, restore_structure
+from .restore import materialise_meta, meta_skeleton, restore_structure
 from .wrapping import (broadcast_initial_state, check_placement, check_world, refuse_if_simulated, weak_call,
                     world_and_rank)
 from .shared_shards import SharedShards
@@ -93,6 +94,11 @@ class SubnetDataParallel(DDPInterface, EngineParts, nn.Module):
             raise ValueError(f"the plan was made for another model (structure fingerprint {plan.fingerprint}, "
                              f"this model {fingerprint}); plan this model with plan_subnetworks")
         self.plan, self.config, self._process_group = plan, config, process_group
+        self.base_plan, self.schedule = plan, config.schedule  # the assignment at step 0, and how it moves
+        warn_if_never_co_trained(plan, self.schedule, self.world_size)
+        if self.schedule.moves and self._simulated:
+            raise ValueError(f"assignment={config.assignment!r} moves units between ranks, but simulate_rank runs one "
+                             "rank alone (no rank to receive them from); simulate assignment='static'")
         self._phase = Phase.TRAINING
         first = next(iter(model.parameters()), None)
         self._device = first.device if first is not None else torch.device("cpu")
@@ -100,20 +106,45 @@ class SubnetDataParallel(DDPInterface, EngineParts, nn.Module):
             broadcast_initial_state(model, process_group, config.timeout)  # rank 0's values, as torch DDP
         self._optimizer_guard = OptimizerGuard(model)  # the Parameters an optimizer built before wrapping holds
         self.__dict__["_skeleton"] = meta_skeleton(model)  # not a submodule: no state of its own
+        # What the user trains (the same on every rank): whose optimizer state moves at a change of assignment.
+        self._trained_names = frozenset(n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad)
+        self._optimizers = []  # weak references to the optimizers that stepped this engine's parameters, in order
+        self._swaps = ModuleSwaps()  # the engine's layers standing in for the user's, undone by close()
+        self._comm = None
+        self._shards = None
+        self._reassignments = []  # what each change of assignment moved (comm_stats)
+        self._reassign_hooks = []  # (fn, weak reference to its owner): what follows a change (an EMA)
+        self.module = model
+        self._assemble(plan)
+        me = weakref.ref(self)
+        # The optimizer-hook registry is global: registered once, holding the engine weakly (_install_hooks).
+        step_hook = register_optimizer_step_post_hook(weak_call(me, SubnetDataParallel._on_optimizer_step))
+        weakref.finalize(self, step_hook.remove)
+        guard_hook = register_optimizer_step_pre_hook(self._optimizer_guard)  # holds no engine reference
+        weakref.finalize(self, guard_hook.remove)
+        self._global_hooks = [step_hook, guard_hook]
+        # Every rank calls the collective methods in one order: checked on a gloo group of its own.
+        self._call_ledger = CallLedger(self._process_group, self.world_size, self.rank, self.config.timeout,
+                                       not self._simulated, self._counter)
 
+    def _assemble(self, plan: SubnetPlan) -> None:
+        """Make `plan`'s assignment this rank's: the surgery, the layout, the communication and the hooks
+        (at construction, and after each change of assignment on the model `_teardown` left)."""
+        model, config = self.module, self.config
+        self.plan = plan
         pieces = global_pieces(plan)
         # Forward regime: each SyncBatchNorm synchronises among the ranks that run it (sync_norm.py).
         sync_norms = sync_norm_owners(model, plan, pieces) if config.regime == "forward" and self.world_size > 1 \
             and not self._simulated else {}
-        self._swaps = ModuleSwaps()  # the engine's layers standing in for the user's, undone by close()
         if config.regime == "forward":
             self._hooks = materialise_forward(model, plan, pieces, self.rank, config.scale, self._swaps)
             piece_params, value_refs = {}, {}
         else:
             piece_params, value_refs, self._hooks = prepare_backward(model, plan, pieces, self.rank, self._swaps)
-        self.module = model
-        self._shards = SharedShards(model, plan, process_group, self._device) if config.shard_shared else None
-        # Built once, after every change to the model (surgery, FSDP2's DTensor parameters).
+        materialise_meta(model, self._device)  # what a change of assignment gave this rank (reassignment.py fills it)
+        if config.shard_shared and self._shards is None:
+            self._shards = SharedShards(model, plan, self._process_group, self._device)
+        # Built after every change to the model (surgery, FSDP2's DTensor parameters).
         self._layout = RankLayout(plan, self.rank, self.world_size, self._device, model,
                                   compact=config.regime == "forward", piece_params=piece_params,
                                   value_refs=value_refs, sharded=self._shards.names if self._shards else (),
@@ -124,42 +155,36 @@ class SubnetDataParallel(DDPInterface, EngineParts, nn.Module):
         self._eval_forward = EvalForward.for_rank(config.eval_forward, plan, self.rank, config.regime)
 
     def _setup_communication(self, module_sets) -> None:
-        """Strategy, buckets, process groups, averager, refresh, leader's buffers (communication.py)."""
+        """Strategy, buckets, process groups (made once), averager, refresh, leader's buffers (communication.py)."""
+        again = self._comm is not None  # a change of assignment: the same groups, counter and strategy
         c = build_communication(self.plan, self._layout, self.config, self._process_group, self._simulated,
-                                self._shards is not None, self._device, module_sets)
+                                self._shards is not None, self._device, module_sets, self._comm,
+                                self._comm.counter if again else None,
+                                (self._strategy, self._strategy_costs) if again else None)
         self._strategy, self._strategy_costs, self._counter = c.strategy, c.strategy_costs, c.counter
         self._comm = c.comm
         self._averager, self._refresh, self._leader_buffers = c.averager, c.refresh, c.leader_buffers
 
     def _install_hooks(self, model: nn.Module) -> None:
-        """Gradient-ready and optimizer-step hooks, and what meets a DDP script's habits: an
-        optimizer built before wrapping is refused at its first step, the wrapped model's own
-        state_dict() does not pass for the model's, collective methods are called in one order."""
+        """Gradient-ready hooks of this assignment, and what meets a DDP script's habits: an optimizer
+        built before wrapping is refused at its first step (the global hooks: __init__), the wrapped model's
+        own state_dict() does not pass for the model's."""
         me = weakref.ref(self)
         # Backward regime: the masked kernel writes owned weight gradients into their buckets.
         self._direct_gradient_runs = 0
-        if self.config.regime == "backward" and self.config.sync_every == 1:
+        if self.config.regime == "backward" and 1 in self.config.periods:
             self._direct_gradient_runs = attach_direct_gradients(
                 model, self._layout.piece_params, self._averager.direct_gradient_view,
                 weak_call(me, lambda engine, piece: engine._gradients_ready(pieces=(piece,))))
+        # Hooks hold the engine weakly: a tensor's hooks are kept from C++, where Python's garbage
+        # collector cannot see the cycle parameter -> hook -> engine -> module -> parameter: strong
+        # references would keep every engine, and the process groups it holds, alive until the
+        # interpreter shuts down, when destroying a gloo group can abort the process.
         for p in self._layout.trainable:
             self._hooks.append(p.register_post_accumulate_grad_hook(
                 weak_call(me, SubnetDataParallel._gradients_ready)))
-        # Hooks hold the engine weakly. The optimizer-hook registry is global, and a tensor's
-        # hooks are kept from C++, where Python's garbage collector cannot see the cycle
-        # parameter -> hook -> engine -> module -> parameter: strong references would keep
-        # every engine, and the process groups it holds, alive until the interpreter shuts
-        # down, when destroying a gloo group can abort the process.
-        step_hook = register_optimizer_step_post_hook(weak_call(me, SubnetDataParallel._on_optimizer_step))
-        weakref.finalize(self, step_hook.remove)
         self._optimizer_guard.attach({id(p) for p in self._layout.trainable}, self.rank, model)
-        guard_hook = register_optimizer_step_pre_hook(self._optimizer_guard)  # holds no engine reference
-        weakref.finalize(self, guard_hook.remove)
-        self._hooks += [step_hook, guard_hook] + install_state_dict_guard(model, self.plan, self.rank,
-                                                                          self._shards is not None)
-        # Every rank calls the collective methods in one order: checked on a gloo group of its own.
-        self._call_ledger = CallLedger(self._process_group, self.world_size, self.rank, self.config.timeout,
-                                       not self._simulated, self._counter)
+        self._hooks += install_state_dict_guard(model, self.plan, self.rank, self._shards is not None)
 
     # ------------------------------------------------------------------ the step
     def _gradients_ready(self, param=None, pieces=()) -> None:
@@ -174,21 +199,96 @@ class SubnetDataParallel(DDPInterface, EngineParts, nn.Module):
     def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
         if not any(self._layout.is_trainable(p) for g in optimizer.param_groups for p in g["params"]):
             return
+        if not any(ref() is optimizer for ref in self._optimizers):
+            self._optimizers.append(weakref.ref(optimizer))  # a change of assignment gives it the new parameters
         self.after_step()
 
     def after_step(self) -> None:
-        """Called after each optimizer step (automatically for torch.optim optimizers)."""
+        """Called after each optimizer step (automatically for torch.optim optimizers): counts the step,
+        averages parameters at a synchronisation point (sync_every > 1), refreshes the backward regime's
+        copies, and where the ownership schedule says so, changes the assignment."""
         self._check_open("after_step")
         self._counter.steps += 1
-        sync_point = self._counter.steps % self.config.sync_every == 0
+        steps = self._counter.steps
         with torch.no_grad():
-            if self.config.sync_every > 1 and sync_point:
-                self._averager.average_now("parameters")
+            self._averager.average_now("parameters", steps)  # the buckets of period H > 1 that H divides
             # Between synchronisation points a rank's copies of units it does not own keep
             # their last refreshed values (the full forward still uses them): refreshing them
             # every step would cost the refresh's bytes H times per averaging for no agreement.
-            if self._refresh is not None and sync_point:
-                self._refresh()
+            for period, refresh in self._refresh.items():
+                if steps % period == 0:
+                    refresh()
+        if self.schedule.changes_at(self._counter.steps):
+            if self._phase is Phase.ACCUMULATING:
+                raise RuntimeError(
+                    f"the ownership schedule ({self.schedule.kind} every {self.schedule.every} steps) changes the "
+                    f"assignment after optimizer step {self._counter.steps}, but that step was taken inside no_sync() "
+                    "(require_backward_grad_sync=False): gradients being accumulated would be lost. Step the optimizer "
+                    "outside no_sync(), after the accumulation's last backward.")
+            self._reassign(plan_at(self.base_plan, self.schedule, self._counter.steps))
+
+    def register_reassign_hook(self, fn, owner) -> None:
+        """Call fn(owner, engine, old_plan) after each change of assignment, on every rank (it may communicate:
+        a change is collective), while `owner` lives (held weakly): how an object that keeps per-piece state
+        (ExponentialMovingAverage) follows the ownership schedule."""
+        self._reassign_hooks.append((fn, weakref.ref(owner)))
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps this engine has counted (the schedule's clock)."""
+        return self._counter.steps
+
+    def set_step(self, step: int, optimizers=()) -> None:
+        """Set the step count (a resumed run) and take the schedule's assignment for it, moving what changes
+        hands; `optimizers` built over this engine's parameters get the new ones (so do the optimizers that
+        stepped it already). Collective when the assignment changes. Call it before loading a checkpoint's
+        full state (load_full_state_dict, load_full_optimizer_state_dict)."""
+        self._check_open("set_step")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"set_step: step must be an int >= 0, got {step!r}")
+        for opt in optimizers:
+            if not any(ref() is opt for ref in self._optimizers):
+                self._optimizers.append(weakref.ref(opt))
+        self._counter.steps = step
+        target = plan_at(self.base_plan, self.schedule, step)
+        if not torch.equal(target.owners, self.plan.owners):
+            self._reassign(target)
+
+    @torch.no_grad()
+    def _reassign(self, plan: SubnetPlan) -> None:
+        """Change this rank's assignment to `plan`'s (collective): snapshot what it holds, undo the
+        surgery, redo it for `plan`, move what changes hands (reassignment.py), give the optimizers
+        their new parameters."""
+        optimizers = [opt for ref in self._optimizers if (opt := ref()) is not None]
+        self._optimizers = [weakref.ref(opt) for opt in optimizers]
+        old_plan, old_layout = self.plan, self._layout
+        held = reassignment.snapshot(old_layout, optimizers)
+        keys = reassignment.state_keys_of(held)
+        reassignment.agree(keys, self._comm.world_group, self.config.timeout)
+        values = self.config.regime == "forward"
+        transfers = reassignment.unit_transfers(old_plan, plan, values, self._trained_names)
+        self._teardown()
+        self._assemble(plan)
+        got_values, got_states = reassignment.exchange(transfers, held, plan, self.rank, self._comm, self._device,
+                                                       values, keys)
+        reassignment.fill_values(self._layout, held, got_values)
+        reassignment.rebind_optimizers(optimizers, self._layout, held, got_states)
+        for fn, owner in list(self._reassign_hooks):
+            if owner() is not None:
+                fn(owner(), self, old_plan)
+        self._reassignments.append({"step": self._counter.steps, "transfers": len(transfers),
+                                    "predicted_bytes": reassignment.predicted_bytes(
+                                        plan, [t for t in transfers if t.src == self.rank],
+                                        sum(len(k) for k in keys), values)})
+
+    def _teardown(self) -> None:
+        """Undo this assignment's surgery on the model, keeping what this rank holds whole (shared tensors,
+        owned blocks): the user's modules back, tensors it does not hold on the meta device (no memory)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._swaps.undo()
+        restore_structure(self.module, self._skeleton, self._device, missing="meta")
 
     def state_access(self, what: str) -> tuple[RankLayout, object]:
         """(layout, process group) for a method that reads or writes pieces (the engine's own, the
@@ -272,9 +372,12 @@ class SubnetDataParallel(DDPInterface, EngineParts, nn.Module):
     @collective_method
     def verify_consistency(self) -> None:
         """Raise ConsistencyError naming the unit and the ranks unless the owners of every
-        unit hold bit-identical values. Collective; call it at a synchronisation point."""
+        unit hold bit-identical values. Collective; call it at a synchronisation point (with a
+        period per unit group, the pieces whose period divides the step count are checked)."""
         layout, group = self.state_access("verify_consistency")
-        consistency.verify_consistency(layout, group, self.config.timeout)
+        period_of, steps = piece_periods(self.plan, self.config), self._counter.steps
+        due = None if self.config.every_step else (lambda piece: steps % period_of(piece) == 0)
+        consistency.verify_consistency(layout, group, self.config.timeout, due)
 
     def gradients_finite(self) -> bool:
         """True when every rank's gradients are finite (one all-reduced flag); when False,
@@ -289,9 +392,12 @@ class SubnetDataParallel(DDPInterface, EngineParts, nn.Module):
         backward, before optimizer.step(). With sync_every > 1 it clips each rank by its own
         gradients' norm (local SGD). See clipping.py."""
         layout, _ = self.state_access("clip_grad_norm_")
+        period_of = piece_periods(self.plan, self.config)
         communicate = self.world_size > 1 and not self._simulated and dist.is_initialized()
         return clipping.clip_grad_norm_(layout, max_norm, norm_type, error_if_nonfinite, foreach,
-                                        local_sgd=self.config.sync_every > 1, communicate=communicate,
+                                        local_sgd=1 not in self.config.periods, communicate=communicate,
+                                        local=None if self.config.every_step else
+                                        lambda piece: period_of(piece) > 1,
                                         group=self._comm.world_group, timeout=self.config.timeout)
 
     @collective_method
@@ -339,7 +445,8 @@ class SubnetDataParallel(DDPInterface, EngineParts, nn.Module):
         self._check_open("comm_stats")
         return reports.comm_stats(self._counter, self.plan, self.rank, self._strategy, self._strategy_costs,
                                   self.config.regime, self.config.bucket_cap_bytes, self._averager,
-                                  self._direct_gradient_runs, self._simulated, self._shards is not None)
+                                  self._direct_gradient_runs, self._simulated, self._shards is not None,
+                                  self._reassignments)
 
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict:
         """Bytes this rank holds: parameters, gradients, optimizer state, buffers.
@@ -379,9 +486,9 @@ class SubnetDataParallel(DDPInterface, EngineParts, nn.Module):
             raise ValueError("close() cannot give back a model whose shared parameters FSDP2 sharded "
                              "(shard_shared=True); use full_model() or full_state_dict() for the trained model")
         full = self.full_state_dict()
-        for h in self._hooks:
+        for h in self._hooks + self._global_hooks:
             h.remove()
-        self._hooks = []
+        self._hooks, self._global_hooks = [], []
         self._call_ledger.close()
         self._swaps.undo()  # the user's own module objects, holding their own Parameters
         restore_structure(self.module, self._skeleton, self._device)

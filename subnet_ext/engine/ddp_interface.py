@@ -90,7 +90,7 @@ class DDPInterface:
         if isinstance(self._averager.reduction, HookReduction):
             raise RuntimeError(f"register_comm_hook: a comm hook ({self._averager.reduction.name}) is already "
                                "registered; it can be registered only once, as with torch DDP")
-        if self.config.sync_every != 1 or self._shards is not None:
+        if not self.config.every_step or self._shards is not None:
             raise ValueError("register_comm_hook: comm hooks average gradients in SDP's buckets every step; this "
                              f"engine has sync_every={self.config.sync_every} and shard_shared="
                              f"{self._shards is not None} (needs sync_every=1 and shard_shared=False)")

@@ -64,11 +64,44 @@ class ExponentialMovingAverage(nn.Module):
         with torch.no_grad():
             self._averages = {key: value.detach().to(self._device, copy=True)
                               for key, value in self._current(layout).items()}
-        # The keys this rank writes when the averaged model is assembled (a piece's leader; every
-        # rank its rows of a sharded piece; an integer entry's reporter, the only rank keeping it).
-        self._writes = {key for key in self._averages if not isinstance(key, tuple)} | {
+        self._writes = self._written_keys(layout)
+        sdp.register_reassign_hook(_follow_reassignment, self)  # held weakly: the engine outlives no EMA's need
+
+    def _written_keys(self, layout: RankLayout) -> set:
+        """The keys this rank writes when the averaged model is assembled (a piece's leader; every rank its
+        rows of a sharded piece; an integer entry's reporter, the only rank keeping it)."""
+        return {key for key in self._averages if not isinstance(key, tuple)} | {
             (held.piece.name, held.full, held.piece.is_param) for held in layout.held_values()
             if layout.contributes(held.piece)}
+
+    @torch.no_grad()
+    def reassigned(self, old_plan, layout: RankLayout, communicator) -> None:
+        """After a change of assignment (collective): the averages of the pieces this rank gains arrive from a
+        former owner's EMA (engine/reassignment.py), those it loses are dropped."""
+        from .reassignment import Held, entry_axis, exchange, fill, unit_transfers
+
+        held = Held()
+        for key, average in self._averages.items():
+            if isinstance(key, tuple):
+                held.values.setdefault(key[0], []).append((key[1], average))
+        transfers = unit_transfers(old_plan, layout.plan, values=True)
+        received, _ = exchange(transfers, held, layout.plan, layout.rank, communicator, self._device, True, [],
+                               quantity="reassign (EMA)")
+        current, averages = self._current(layout), {}
+        for key, value in current.items():
+            if not isinstance(key, tuple):
+                averages[key] = self._averages.get(key, value.detach().to(self._device, copy=True))
+                continue
+            name, full, _ = key
+            target = torch.empty((full[1] - full[0], full[3] - full[2]), dtype=value.dtype, device=self._device)
+            sources = [([r], v) for r, v in held.values.get(name, [])] + received.get(name, [])
+            rects = [full] + [r for r, _ in held.values.get(name, [])]
+            fill(target, [((0, target.shape[0], 0, target.shape[1]), full)], sources,
+                 entry_axis(layout.plan, name, rects))
+            averages[key] = target
+        self._averages = averages
+        self._writes = self._written_keys(layout)
+        self._cache = None
 
     # ------------------------------------------------------------------ what this rank averages
     def _layout(self, what: str) -> RankLayout:
@@ -192,6 +225,10 @@ class ExponentialMovingAverage(nn.Module):
         held = sum(t.numel() for t in self._averages.values())
         return f"decay={self.decay}, use_buffers={self.use_buffers}, n_averaged={int(self.n_averaged)}, " \
             f"elements_here={held}"
+
+
+def _follow_reassignment(ema: "ExponentialMovingAverage", engine, old_plan) -> None:
+    ema.reassigned(old_plan, engine.layout, engine.communicator)
 
 
 def _assemble(layout: RankLayout, written: dict, group, timeout, rank0_only: bool, cpu_offload: bool) -> dict:

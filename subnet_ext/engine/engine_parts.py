@@ -49,8 +49,17 @@ class EngineParts:
     @property
     def refresh(self) -> CopyRefresher | None:
         """The backward regime's refresh of the copies of units this rank does not own
-        (comm/refresh.py), or None (forward regime, or nothing to refresh)."""
-        return self._refresh
+        (comm/refresh.py), or None (forward regime). With a synchronisation period per unit group
+        there is one per period: see `refreshes`."""
+        if len(self._refresh) > 1:
+            raise AttributeError("this engine refreshes each synchronisation period on its own: use sdp.refreshes "
+                                 "({period: CopyRefresher})")
+        return next(iter(self._refresh.values()), None)
+
+    @property
+    def refreshes(self) -> dict:
+        """{synchronisation period: the backward regime's CopyRefresher of its pieces} ({} in the forward regime)."""
+        return dict(self._refresh)
 
     @property
     def shared_shards(self) -> SharedShards | None:

@@ -13,7 +13,8 @@ from ..state.layout import local_tensor
 
 
 def comm_stats(counter, plan, rank: int, strategy: str, strategy_costs, regime: str, bucket_cap_bytes: float,
-               averager, direct_gradient_runs: int, simulated: bool, shard_shared: bool = False) -> dict:
+               averager, direct_gradient_runs: int, simulated: bool, shard_shared: bool = False,
+               reassignments=()) -> dict:
     """Bytes handed to collectives and collectives issued, in total and per optimizer step.
 
     Args:
@@ -23,7 +24,9 @@ def comm_stats(counter, plan, rank: int, strategy: str, strategy_costs, regime: 
             collectives per step, predicted from sizes (FSDP2 issues them, SDP does not count them).
     "reduction" names how gradient buckets are averaged ("all_reduce", or a comm hook's name,
     e.g. "bfloat16_compress_hook" for reduce_dtype=torch.bfloat16); "predicted_per_sync" is
-    None-valued for a hook that does not say its bytes (no `collective_bytes`).
+    None-valued for a hook that does not say its bytes (no `collective_bytes`). "reassignments": per change of
+    assignment (an ownership schedule), its step, transfers and the bytes this rank's sends were predicted
+    to carry (by_quantity["reassign"] counts what they carried).
     """
     steps = max(1, counter.steps)
     return {
@@ -39,6 +42,7 @@ def comm_stats(counter, plan, rank: int, strategy: str, strategy_costs, regime: 
         "buckets_issued_during_backward": averager.issued_during_backward,
         "direct_gradient_runs": direct_gradient_runs,
         "simulated": simulated,
+        "reassignments": [dict(r) for r in reassignments],
     }
 
 
@@ -71,8 +75,8 @@ def memory_report(module: nn.Module, extra_params: list, averager, device: torch
         optimizer: counts its tensor state when given.
         shared_shards: the engine's SharedShards (shard_shared=True): DTensors count their
             local shard, and "sharded_shared" reports the shards' parameter bytes.
-        refresh: the backward regime's CopyRefresher: "refresh_buffer" is its persistent
-            buffer (0 before the first refresh; None in the forward regime).
+        refresh: the backward regime's {period: CopyRefresher}: "refresh_buffer" is their persistent
+            buffers (0 before the first refresh; None in the forward regime).
     """
     nbytes = _storage_counter()
     params = nbytes([local_tensor(p) for p in module.parameters()] + list(extra_params))
@@ -94,7 +98,7 @@ def memory_report(module: nn.Module, extra_params: list, averager, device: torch
             "model_state": params + grads + state, "peak_allocated": peak,
             "communication_buffers": averager.buffer_bytes,
             "gradients_in_buffers": in_buffer_bytes,
-            "refresh_buffer": refresh.buffer_bytes if refresh is not None else None,
+            "refresh_buffer": sum(r.buffer_bytes for r in refresh.values()) if refresh else None,
             "sharded_shared": shared_shards.local_bytes() if shared_shards is not None else None}
 
 

@@ -26,24 +26,44 @@ _WIDTHS = tuple(a for attrs in WIDTH_ATTRS.values() for a in attrs) + CONV1D_ATT
     + HEAD_WIDTH_ATTRS
 
 
-def materialise(skeleton: nn.Module, device: torch.device) -> nn.Module:
-    """A copy of a (meta) skeleton module with uninitialised tensors on `device`; its
-    non-persistent buffers (real in the skeleton, e.g. rotary tables) keep their values.
-    (nn.Module.to_empty would leave those uninitialised too.)"""
+def materialise(skeleton: nn.Module, device: torch.device, tensors: torch.device | str | None = None) -> nn.Module:
+    """A copy of a (meta) skeleton module with uninitialised tensors on `tensors` (default `device`);
+    its non-persistent buffers (real in the skeleton, e.g. rotary tables) keep their values, on
+    `device`. (nn.Module.to_empty would leave those uninitialised too.)"""
+    tensors = device if tensors is None else tensors
     module = copy_model(skeleton)
     for sub in module.modules():
         for name, p in list(sub._parameters.items()):
             if p is not None:
-                sub._parameters[name] = nn.Parameter(torch.empty_like(p, device=device),
+                sub._parameters[name] = nn.Parameter(torch.empty_like(p, device=tensors),
                                                      requires_grad=p.requires_grad)
         for name, b in list(sub._buffers.items()):
             if b is not None:
-                sub._buffers[name] = torch.empty_like(b, device=device) if b.is_meta else b.to(device)
+                sub._buffers[name] = torch.empty_like(b, device=tensors) if b.is_meta else b.to(device)
     return module
 
 
-def _restore_module(module: nn.Module, original: nn.Module, device: torch.device) -> None:
-    """Make `module`'s own tensors and attributes match `original` (its skeleton twin)."""
+def materialise_meta(model: nn.Module, device: torch.device) -> int:
+    """Give every meta parameter and buffer of `model` uninitialised memory on `device` (a Parameter
+    keeps its requires_grad; one tensor reached under several names stays one); returns how many.
+    What a change of assignment hands this rank arrives there (engine/reassignment.py)."""
+    made = {}
+    for sub in model.modules():
+        for registry in (sub._parameters, sub._buffers):
+            for name, t in list(registry.items()):
+                if t is None or not t.is_meta:
+                    continue
+                if id(t) not in made:
+                    real = torch.empty_like(t, device=device)
+                    made[id(t)] = nn.Parameter(real, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) \
+                        else real
+                registry[name] = made[id(t)]
+    return len(made)
+
+
+def _restore_module(module: nn.Module, original: nn.Module, device: torch.device, tensors) -> None:
+    """Make `module`'s own tensors and attributes match `original` (its skeleton twin); tensors it must
+    re-create go to `tensors` (a device), real non-persistent buffers to `device`."""
     params = {}
     for name, ref in original._parameters.items():
         module.__dict__.pop(name, None)  # an instance attribute shadowing the parameter's name
@@ -51,7 +71,7 @@ def _restore_module(module: nn.Module, original: nn.Module, device: torch.device
         if ref is None:
             params[name] = None
         elif current is None or current.is_meta or current.shape != ref.shape or current.dtype != ref.dtype:
-            params[name] = nn.Parameter(torch.empty(ref.shape, dtype=ref.dtype, device=device),
+            params[name] = nn.Parameter(torch.empty(ref.shape, dtype=ref.dtype, device=tensors),
                                         requires_grad=ref.requires_grad)
         else:
             params[name] = current.requires_grad_(ref.requires_grad)
@@ -64,7 +84,7 @@ def _restore_module(module: nn.Module, original: nn.Module, device: torch.device
                            and current.dtype == ref.dtype):
             buffers[name] = current
         else:
-            buffers[name] = torch.empty_like(ref, device=device) if ref.is_meta else ref.to(device)
+            buffers[name] = torch.empty_like(ref, device=tensors) if ref.is_meta else ref.to(device)
     module._buffers.clear()
     module._buffers.update(buffers)
     module._non_persistent_buffers_set.clear()
@@ -74,13 +94,15 @@ def _restore_module(module: nn.Module, original: nn.Module, device: torch.device
             setattr(module, attr, getattr(original, attr))
 
 
-def restore_structure(model: nn.Module, skeleton: nn.Module, device: torch.device) -> None:
+def restore_structure(model: nn.Module, skeleton: nn.Module, device: torch.device, missing: str = "empty") -> None:
     """In place: every submodule of `model` gets back the type, tensors (names, shapes,
     dtypes, requires_grad, order) and width attributes of its twin in `skeleton`.
 
     Submodules whose type differs (SkippedBlock) are replaced by a materialised copy of
-    the skeleton's; values of re-created tensors are uninitialised.
+    the skeleton's; tensors that are re-created are uninitialised on `device` (missing="empty"),
+    or on the meta device (missing="meta": no memory, what a change of assignment undoes to).
     """
+    tensors = device if missing == "empty" else torch.device("meta")
     replaced = []
     for path, original in skeleton.named_modules():
         if not path or any(path.startswith(r + ".") for r in replaced):
@@ -89,11 +111,11 @@ def restore_structure(model: nn.Module, skeleton: nn.Module, device: torch.devic
         parent = model.get_submodule(parent_path)
         current = parent._modules.get(leaf)
         if current is None or type(current) is not type(original):
-            parent._modules[leaf] = materialise(original, device)
+            parent._modules[leaf] = materialise(original, device, tensors)
             replaced.append(path)
     for path, original in skeleton.named_modules():
         if not any(path == r or path.startswith(r + ".") for r in replaced):
-            _restore_module(model.get_submodule(path), original, device)
+            _restore_module(model.get_submodule(path), original, device, tensors)
 
 
 def meta_skeleton(model: nn.Module) -> nn.Module:

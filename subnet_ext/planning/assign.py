@@ -13,7 +13,7 @@ K distinct owner sets per group. The whole group is then rotated by the offset t
 keeps the running per-rank load (bytes and FLOPs) lowest, so ranks that got the extra
 unit in one group do not get it again in the next.
 
-Block level (`block_assignment="rolling"`, the default): equal blocks (in bytes and FLOPs)
+Block level (`block_assignment="balanced"`, the default): equal blocks (in bytes and FLOPs)
 get rolling windows of r ranks; unequal blocks go largest first to the r least-loaded ranks, the load being bytes and FLOPs
 each normalised by its total and summed. Greedy balancing tends to pair the same
 ranks again and again (at K=4, r=2 the ResNet-18 blocks fall into {0,1} and {2,3}), so
@@ -26,6 +26,8 @@ by some rank; balanced by block count, not by bytes. `block_pairs_covered` count
 plan trains together.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import torch
@@ -70,13 +72,41 @@ def assign_neurons(ranges, k: int, r: int, unit_weight: torch.Tensor) -> torch.T
     return owners
 
 
-BLOCK_ASSIGNMENTS = ("rolling", "contiguous")
+def assign_per_rank(ranges, k: int, coverage) -> torch.Tensor:
+    """Owner matrix bool [k, units] for a coverage per rank (coverage.py): in each group of n units (a
+    neuron group, or all the blocks as one group), rank q owns a cyclically contiguous window of
+    max(1, round(c_q * n)) units starting where rank q - 1's ended, so the windows cover the group
+    whenever the counts sum to n or more (every unit at least one owner; a rank never an empty layer).
+
+    ValueError when a group's counts do not cover it (too few units to round the coverages up)."""
+    n_units = ranges[-1][1] if ranges else 0
+    owners = torch.zeros(k, n_units, dtype=torch.bool)
+    for a, b in ranges:
+        n = b - a
+        counts = [min(n, max(1, int(math.floor(c * n + 0.5)))) for c in coverage]
+        if sum(counts) < n:
+            raise ValueError(f"coverages per rank {list(coverage)} give the ranks {counts} of a group of {n} units, "
+                             f"which leaves {n - sum(counts)} without an owner; raise the coverages")
+        start = 0
+        for q, count in enumerate(counts):
+            for j in range(start, start + count):
+                owners[q, a + j % n] = True
+            start = (start + count) % n
+    return owners
+
+
+BLOCK_ASSIGNMENTS = ("balanced", "contiguous")
 
 
 def assign_blocks(unit_bytes: torch.Tensor, unit_flops: torch.Tensor, k: int, r: int,
-                  kind: str = "rolling") -> torch.Tensor:
+                  kind: str = "balanced") -> torch.Tensor:
     """Owner matrix bool [k, blocks] from each block's bytes and FLOPs (float64 [blocks]);
-    kind: "rolling" (balanced windows of owners) or "contiguous" (runs of neighbouring blocks)."""
+    kind: "balanced" (windows of owners balanced by bytes and FLOPs) or "contiguous" (runs of
+    neighbouring blocks)."""
+    if kind == "rolling":
+        raise ValueError("block_assignment='rolling' is now called 'balanced' (the static pattern of the default "
+                         "plan); the schedule that rolls each rank's blocks during training is "
+                         "SubnetDataParallel(..., assignment='rolling', reassign_every=N)")
     if kind not in BLOCK_ASSIGNMENTS:
         raise ValueError(f"block_assignment must be one of {', '.join(BLOCK_ASSIGNMENTS)}, got {kind!r}")
     n = len(unit_bytes)

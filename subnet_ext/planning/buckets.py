@@ -49,6 +49,7 @@ class Bucket:
     """One packed collective.
 
     owners: the ranks that take part (an owner set, or every rank for zero-filled buckets).
+    period: its synchronisation period (1: gradients averaged every step; H: parameters every H steps).
     pieces / offsets: the pieces in buffer order and the first buffer element of each
         (offset * element size is a multiple of PIECE_ALIGN_BYTES).
     shapes: each piece's (rows, columns), its full rectangle: the piece is stored
@@ -60,6 +61,7 @@ class Bucket:
 
     owners: tuple
     dtype: str
+    period: int = 1
     pieces: list = field(default_factory=list)
     offsets: list = field(default_factory=list)
     shapes: list = field(default_factory=list)
@@ -97,13 +99,15 @@ def piece_numel(plan, piece: Piece) -> int:
     return rows * cols
 
 
-def build_buckets(plan, pieces: list[Piece], strategy: str, cap_bytes: float) -> list[Bucket]:
+def build_buckets(plan, pieces: list[Piece], strategy: str, cap_bytes: float, period_of=None) -> list[Bucket]:
     """Buckets in global launch order (see the module docstring).
 
     Args:
         pieces: pieces.global_pieces(plan); those with a single owner need no collective.
         strategy: "groups" (one owner set per bucket) or "zero_filled" (world buckets).
         cap_bytes: a bucket closes once it holds at least this many bytes (> 0).
+        period_of: piece -> its synchronisation period (default 1 for all): buckets are keyed by
+            owner set, dtype and period.
     """
     if strategy not in ("groups", "zero_filled"):
         raise ValueError(f"strategy must be 'groups' or 'zero_filled', got {strategy!r}")
@@ -117,10 +121,12 @@ def build_buckets(plan, pieces: list[Piece], strategy: str, cap_bytes: float) ->
     for visit, p in enumerate(shared):
         dtype = plan.tensor_dtypes[p.name]
         owners = p.owners if strategy == "groups" else world
-        b = open_buckets.setdefault((owners, dtype), Bucket(owners, dtype))
+        period = period_of(p) if period_of is not None else 1
+        key = (owners, dtype, period)
+        b = open_buckets.setdefault(key, Bucket(owners, dtype, period))
         b.append(p, piece_shape(plan, p))
         b.last_position = visit
         if b.nbytes >= cap_bytes:
-            closed.append(open_buckets.pop((owners, dtype)))
+            closed.append(open_buckets.pop(key))
     closed += sorted(open_buckets.values(), key=lambda b: b.last_position)
     return closed

@@ -2,6 +2,9 @@
 
 Each unit gets r = max(1, round(C*K)) owners (halves rounded up), so the effective coverage
 is r / K. When that differs from the coverage asked for, the planner says so once.
+
+A coverage may also be one value per rank (ranks with unequal memory, as HeteroFL's clients):
+rank k then owns about c_k of each group's units (assign.py), and a unit's owner count varies.
 """
 from __future__ import annotations
 
@@ -25,15 +28,41 @@ def check_arguments(world_size, coverage, level, seed: int = 0) -> None:
                         f"{world_size!r}")
     if world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    if not isinstance(coverage, (int, float)) or isinstance(coverage, bool):
-        raise TypeError(f"coverage must be a number in (0, 1] (the fraction of ranks owning each unit), got "
-                        f"{type(coverage).__name__} {coverage!r}")
-    if not (0.0 < coverage <= 1.0):
-        raise ValueError(f"coverage must be in (0, 1], got {coverage!r}")
+    if isinstance(coverage, (list, tuple)):
+        check_per_rank(world_size, coverage)
+    else:
+        if not isinstance(coverage, (int, float)) or isinstance(coverage, bool):
+            raise TypeError(f"coverage must be a number in (0, 1] (the fraction of ranks owning each unit), or a list "
+                            f"of one per rank, got {type(coverage).__name__} {coverage!r}")
+        if not (0.0 < coverage <= 1.0):
+            raise ValueError(f"coverage must be in (0, 1], got {coverage!r}")
     if level not in LEVELS:
         raise ValueError(f"level must be 'block' or 'neuron', got {level!r}")
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
+
+
+def check_per_rank(world_size: int, coverage) -> None:
+    """A coverage per rank: K numbers in (0, 1] whose sum is at least 1 (every unit needs an owner)."""
+    if len(coverage) != world_size:
+        raise ValueError(f"a coverage per rank needs {world_size} values (one per rank), got {len(coverage)}: "
+                         f"{list(coverage)}")
+    for r, c in enumerate(coverage):
+        if not isinstance(c, (int, float)) or isinstance(c, bool) or not 0.0 < c <= 1.0:
+            raise ValueError(f"coverage of rank {r} must be a number in (0, 1], got {c!r}")
+    if sum(coverage) < 1.0 - 1e-9:
+        raise ValueError(f"the coverages per rank {list(coverage)} sum to {sum(coverage):g} < 1: some units would have "
+                         "no owner; raise them so that together the ranks hold the whole model at least once")
+
+
+def is_per_rank(coverage) -> bool:
+    """True for a coverage given as one value per rank."""
+    return isinstance(coverage, (list, tuple))
+
+
+def describe(coverage) -> str:
+    """'0.5', or '[1, 0.5, 0.5, 0.25] (per rank)'."""
+    return f"[{', '.join(f'{c:g}' for c in coverage)}] (per rank)" if is_per_rank(coverage) else f"{coverage:g}"
 
 
 def warn_if_rounded(coverage: float, world_size: int, owners: int) -> None:

@@ -27,11 +27,11 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .assign import assign_blocks, assign_neurons
+from .assign import assign_blocks, assign_neurons, assign_per_rank
 from .flops import trace_unit_flops
 from .plan_json import check_plan_json
 from .summary import plan_summary
-from .coverage import check_arguments, owners_per_unit, warn_if_rounded
+from .coverage import check_arguments, describe, is_per_rank, owners_per_unit, warn_if_rounded
 from .rank_graph import check_ranks_tied, components, rank_graph, spectral_gap
 from .aliases import find_aliases
 from .blocks import find_blocks
@@ -81,6 +81,7 @@ class SubnetPlan:
         aliases included; flops: {"unit": [units], "shared", "source"} as traced, or None for
         2 x parameters. plan_subnetworks and from_json build it; so may a caller with its own owners."""
         self._param_names = list(param_names)
+        self._flops = flops
         self.world_size, self.coverage, self.level, self.seed = world_size, coverage, level, seed
         self.groups: list[UnitGroup] = groups
         self.owners = owners
@@ -109,6 +110,22 @@ class SubnetPlan:
                                            self._param_names, flops)).items():
             setattr(self, name, value)  # unit_bytes, unit_flops, shared_bytes, ... (plan_costs.PlanCosts)
         self.check()
+
+    def with_owners(self, owners: torch.Tensor) -> "SubnetPlan":
+        """The same plan with another owner matrix (bool [world_size, units]), checked: an assignment of
+        an ownership schedule (schedule.py). Its checks' warnings were the plan's own to give: not repeated."""
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return self._with_owners(owners)
+
+    def _with_owners(self, owners: torch.Tensor) -> "SubnetPlan":
+        return SubnetPlan(world_size=self.world_size, coverage=self.coverage, level=self.level, seed=self.seed,
+                          groups=self.groups, owners=owners.clone(), shared=self.shared,
+                          tensor_shapes={k: v for k, v, _ in self._entries},
+                          tensor_dtypes={k: d for k, _, d in self._entries}, param_names=self._param_names,
+                          fingerprint=self.fingerprint, flops=self._flops, aliases=self.aliases)
 
     # ----------------------------------------------------------------- costs
     def bytes_of(self, name: str, numel: int | None = None) -> int:
@@ -172,11 +189,22 @@ class SubnetPlan:
 
     def unit_owner_sets(self) -> list[tuple[int, ...]]:
         """[U] the owner set (ascending ranks) of each unit, in unit order."""
-        return [tuple(torch.nonzero(self.owners[:, u]).flatten().tolist()) for u in range(len(self.units))]
+        ranks = list(range(self.world_size))
+        return [tuple(q for q, held in zip(ranks, column) if held) for column in self.owners.t().tolist()]
 
     def owner_sets(self) -> list[tuple[int, ...]]:
         """Distinct owner sets of the units, in one canonical order (sorted)."""
         return sorted(set(self.unit_owner_sets()))
+
+    @property
+    def owners_per_unit_text(self) -> str:
+        """'2 owner(s)/unit', or '1-4 owner(s)/unit' when they vary (a coverage per rank)."""
+        lo, hi = int(self.owner_count.min()), int(self.owner_count.max())
+        return f"{lo} owner(s)/unit" if lo == hi else f"{lo}-{hi} owner(s)/unit"
+
+    def coverage_of(self, rank: int) -> float:
+        """The coverage asked for rank `rank` (the plan's coverage, or its value in a per-rank list)."""
+        return self.coverage[rank] if is_per_rank(self.coverage) else self.coverage
 
     # ----------------------------------------------------------------- checks
     def rank_graph(self) -> np.ndarray:
@@ -212,21 +240,22 @@ class SubnetPlan:
                 empty = torch.nonzero(~self.owners[:, a:b].any(1)).flatten().tolist()
                 if empty:
                     raise ValueError(f"rank(s) {empty} own no unit of {g.kind} group {g.path!r} ({g.size} units, "
-                                     f"world size {k}, coverage {self.coverage}): that layer would be empty. "
+                                     f"world size {k}, coverage {describe(self.coverage)}): that layer would be empty. "
                                      "Raise the coverage or use level='block'.")
         components = self.rank_components() if k > 1 else [[0]]
-        check_ranks_tied(components, self.coverage, owners_per_unit(k, self.coverage), bool(self.shared_params))
+        check_ranks_tied(components, describe(self.coverage), self.owners_per_unit_text, bool(self.shared_params))
 
     # ----------------------------------------------------------------- output
     def summary(self) -> str:
         """A readable report: parameters per unit, per-rank units, parameters, held fraction of the
         model next to the coverage, bytes, FLOPs; the checks; warnings (summary.py)."""
-        return plan_summary(self, owners_per_unit(self.world_size, self.coverage))
+        return plan_summary(self)
 
     def to_json(self) -> str:
         """The plan as JSON (format "subnet_ext.plan/1"): groups, owners, shapes, dtypes, FLOPs, ..."""
         return json.dumps({
-            "format": "subnet_ext.plan/1", "world_size": self.world_size, "coverage": self.coverage,
+            "format": "subnet_ext.plan/1", "world_size": self.world_size,
+            "coverage": list(self.coverage) if is_per_rank(self.coverage) else self.coverage,
             "level": self.level, "seed": self.seed, "fingerprint": self.fingerprint,
             "groups": [g.to_dict() for g in self.groups], "shared": self.shared,
             "owners": self.owners.to(torch.uint8).tolist(),
@@ -246,7 +275,9 @@ class SubnetPlan:
             check_plan_json(d)  # types, ranges and cross-field consistency, before anything is built
             owners = torch.tensor(d["owners"], dtype=torch.uint8)
             plan = SubnetPlan(
-                world_size=int(d["world_size"]), coverage=float(d["coverage"]), level=str(d["level"]),
+                world_size=int(d["world_size"]),
+                coverage=tuple(map(float, d["coverage"])) if isinstance(d["coverage"], list) else float(d["coverage"]),
+                level=str(d["level"]),
                 seed=int(d["seed"]), groups=[UnitGroup.from_dict(g) for g in d["groups"]],
                 owners=owners.bool(), shared=list(d["shared"]), tensor_shapes=d["tensor_shapes"],
                 tensor_dtypes=d["tensor_dtypes"], param_names=d["param_names"], fingerprint=str(d["fingerprint"]),
@@ -260,15 +291,18 @@ class SubnetPlan:
             raise ValueError(f"malformed plan JSON: {type(e).__name__}: {e}") from None
 
     def __repr__(self):
-        return (f"SubnetPlan(level={self.level!r}, world_size={self.world_size}, coverage={self.coverage}, "
+        return (f"SubnetPlan(level={self.level!r}, world_size={self.world_size}, coverage={describe(self.coverage)}, "
                 f"units={len(self.units)}, groups={len(self.groups)})")
 
 
-def _assign(level, k, r, groups, ranges, flops, block_assignment="rolling", **tensors) -> torch.Tensor:
-    """Owner matrix bool [k, units] before the seed's relabelling, balanced on the units' costs.
+def _assign(level, k, r, groups, ranges, flops, block_assignment="balanced", coverage=None, **tensors) -> torch.Tensor:
+    """Owner matrix bool [k, units] before the seed's relabelling, balanced on the units' costs (or, for a
+    coverage per rank, windows of each rank's share: assign_per_rank).
 
     tensors: shapes, dtypes, shared, param_names of the model (what plan_costs reads).
     """
+    if is_per_rank(coverage):
+        return assign_per_rank(ranges if level == "neuron" else [(0, ranges[-1][1])], k, coverage)
     costs = plan_costs(groups, ranges, tensors["shapes"], tensors["dtypes"], tensors["shared"],
                        tensors["param_names"], flops)
     if level == "block":
@@ -290,14 +324,16 @@ def _unit_ranges(groups) -> list[tuple[int, int]]:
 
 
 def plan_subnetworks(model: nn.Module, world_size: int, coverage: float, level: str = "block", seed: int = 0,
-                     blocks=None, neuron_groups=None, sample_input=None, block_assignment="rolling") -> SubnetPlan:
+                     blocks=None, neuron_groups=None, sample_input=None, block_assignment="balanced") -> SubnetPlan:
     """Plan which rank trains which part of `model`.
 
     Args:
         model: the full model (may live on the meta device: only structure is read).
         world_size: K, the number of ranks.
         coverage: C in (0, 1]; each unit gets r = max(1, round(C*K)) owners (halves up): the
-            effective coverage is r/K, and a warning says when it is not C.
+            effective coverage is r/K, and a warning says when it is not C. Or one value per
+            rank ([1.0, 0.5, 0.5, 0.25]: ranks with unequal memory): rank k owns about c_k of each
+            group's units in a window (assign.assign_per_rank), owner counts then vary by unit.
         level: "block" (residual branches) or "neuron" (neurons, heads, channels).
         seed: relabels the ranks by a seeded permutation (0 = identity).
         blocks, neuron_groups: residual blocks' module paths, (producer, consumer[, norms]) paths: declarations.
@@ -305,7 +341,7 @@ def plan_subnetworks(model: nn.Module, world_size: int, coverage: float, level: 
             or ((1, seq_len), torch.long): FLOPs are traced from one forward of it on the meta device
             (nothing allocated). Without it FLOPs are 2 x parameters, which ignores a convolution's
             spatial size.
-        block_assignment: block level: "rolling" (balanced owner windows) or "contiguous" (each rank
+        block_assignment: block level: "balanced" (owner windows balanced by bytes and FLOPs) or "contiguous" (each rank
             trains runs of neighbouring blocks); see assign.py.
 
     Raises:
@@ -329,8 +365,10 @@ def plan_subnetworks(model: nn.Module, world_size: int, coverage: float, level: 
     shared = [n for n in sd if n not in in_units and n not in aliases]
     shapes = {n: tuple(t.shape) for n, t in sd.items()}
     dtypes = {n: str(t.dtype).replace("torch.", "") for n, t in sd.items()}
-    k, r = world_size, owners_per_unit(world_size, coverage)
-    warn_if_rounded(coverage, k, r)
+    k = world_size
+    r = None if is_per_rank(coverage) else owners_per_unit(world_size, coverage)
+    if r is not None:
+        warn_if_rounded(coverage, k, r)
 
     param_names = [n for n, _ in model.named_parameters()]
     ranges = _unit_ranges(groups)
@@ -338,12 +376,13 @@ def plan_subnetworks(model: nn.Module, world_size: int, coverage: float, level: 
     if sample_input is not None:
         unit_flops, shared_flops, source = trace_unit_flops(model, groups, sample_input)
         flops = {"unit": unit_flops.tolist(), "shared": shared_flops, "source": source}
-    owners = _assign(level, k, r, groups, ranges, flops, block_assignment, shapes=shapes, dtypes=dtypes,
+    owners = _assign(level, k, r, groups, ranges, flops, block_assignment, coverage, shapes=shapes, dtypes=dtypes,
                      shared=shared, param_names=param_names)
     if seed:
         perm = list(range(k))
         random.Random(seed).shuffle(perm)
         owners = owners[torch.tensor(perm)]
-    return SubnetPlan(world_size=k, coverage=float(coverage), level=level, seed=seed, groups=groups, owners=owners,
+    coverage = tuple(float(c) for c in coverage) if is_per_rank(coverage) else float(coverage)
+    return SubnetPlan(world_size=k, coverage=coverage, level=level, seed=seed, groups=groups, owners=owners,
                       shared=shared, tensor_shapes=shapes, tensor_dtypes=dtypes, param_names=param_names,
                       fingerprint=model_fingerprint(model), flops=flops, aliases=aliases)

@@ -53,8 +53,10 @@ def _check_header(d: dict) -> None:
     if not _int(d["world_size"]) or d["world_size"] < 1:
         raise ValueError(f"plan JSON: world_size must be a positive int, got {d['world_size']!r}")
     c = d["coverage"]
-    if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or not 0 < c <= 1:
-        raise ValueError(f"plan JSON: coverage must be a number in (0, 1], got {c!r}")
+    values = c if isinstance(c, list) else [c]
+    if not values or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                         or not 0 < v <= 1 for v in values):
+        raise ValueError(f"plan JSON: coverage must be a number in (0, 1] or a list of them (one per rank), got {c!r}")
     if d["level"] not in ("block", "neuron"):
         raise ValueError(f"plan JSON: level must be 'block' or 'neuron', got {d['level']!r}")
     if not _int(d["seed"]):

@@ -59,7 +59,7 @@ def on_first_rank() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
-def check_ranks_tied(parts: list[list[int]], coverage: float, owners_per_unit: int, has_shared: bool) -> None:
+def check_ranks_tied(parts: list[list[int]], coverage: str, owners_per_unit: str, has_shared: bool) -> None:
     """Refuse a rank graph split into `parts` (components) when no shared parameter ties them
     either; warn (once across ranks) when only the shared parameters do."""
     if len(parts) <= 1:
@@ -72,7 +72,7 @@ def check_ranks_tied(parts: list[list[int]], coverage: float, owners_per_unit: i
                          f"Raise the coverage (now {coverage}) or keep some parameters shared.")
     if on_first_rank():  # every rank builds the plan; one says it
         warnings.warn(f"SubnetPlan: ranks {apart} share no unit with rank 0 (components {parts}, world size {k}, "
-                      f"coverage {coverage}, {owners_per_unit} owner(s)/unit): only the shared parameters tie their "
+                      f"coverage {coverage}, {owners_per_unit}): only the shared parameters tie their "
                       "models together, and each unit is trained on its owners' data alone. This is legitimate "
                       "(coverage 1/K gives every unit one owner); raise the coverage so units have 2+ owners if the "
                       "subnetworks should mix.", stacklevel=5)

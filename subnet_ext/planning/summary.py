@@ -7,6 +7,8 @@ recognised block, a large embedding) says so, with the largest shared tensors.
 """
 from __future__ import annotations
 
+from .coverage import describe, is_per_rank
+
 HELD_MARGIN = 0.10  # a rank holding more than coverage + this fraction of the parameters is flagged
 
 
@@ -21,7 +23,7 @@ def _group_rows(plan) -> list[str]:
 
 def _held_warning(plan) -> list[str]:
     held = plan.held_fraction
-    over = [r for r in range(plan.world_size) if float(held[r]) > plan.coverage + HELD_MARGIN]
+    over = [r for r in range(plan.world_size) if float(held[r]) > plan.coverage_of(r) + HELD_MARGIN]
     if not over:
         return []
     total = max(plan.total_params, 1)
@@ -30,35 +32,37 @@ def _held_warning(plan) -> list[str]:
     fix = "Make more of the model units (declare whole residual blocks, not their parts)" if plan.level == "block" \
         else "Plan at level='block' (whole blocks carry their norms)"
     return [f"warning: rank(s) {over} hold up to {float(held[over].max()):.1%} of the model's parameters at "
-            f"coverage {plan.coverage}: the shared parameters ({plan.shared_param_count / total:.1%} of the model; "
+            f"coverage {describe(plan.coverage)}: the shared parameters ({plan.shared_param_count / total:.1%} of the model; "
             f"largest {names}) are held by every rank. {fix}, or shard the shared parameters (shard_shared=True)."]
 
 
-def _effective(plan, owners_per_unit: int) -> str:
+def _effective(plan) -> str:
     """', effective coverage r/K' when whole owners round the coverage asked for; else ''."""
-    effective = owners_per_unit / plan.world_size
-    return "" if abs(effective - plan.coverage) <= 1e-9 else \
-        f": effective coverage {owners_per_unit}/{plan.world_size} = {effective:g}"
+    lo, hi = int(plan.owner_count.min()), int(plan.owner_count.max())
+    if is_per_rank(plan.coverage) or lo != hi:
+        return ""
+    effective = lo / plan.world_size
+    return "" if abs(effective - plan.coverage) <= 1e-9 else f": effective coverage {lo}/{plan.world_size} = {effective:g}"
 
 
-def plan_summary(plan, owners_per_unit: int) -> str:
+def plan_summary(plan) -> str:
     """Units per group, per-rank parameters, held fraction, bytes and FLOPs, the checks, and
     a warning when shared parameters lift a rank far above the coverage."""
     k, full = plan.world_size, plan.full_bytes
     total = plan.total_params
     lines = [f"SubnetPlan: {len(plan.units)} {plan.level}-level units in {len(plan.groups)} group(s), "
-             f"world size {k}, coverage {plan.coverage} ({owners_per_unit} owner(s)/unit"
-             f"{_effective(plan, owners_per_unit)}), seed {plan.seed}",
+             f"world size {k}, coverage {describe(plan.coverage)} ({plan.owners_per_unit_text}"
+             f"{_effective(plan)}), seed {plan.seed}",
              f"shared: {len(plan.shared_params)} parameter tensors, {plan.shared_param_count:,} parameters "
              f"({plan.shared_param_count / max(total, 1):.1%}), {plan.shared_bytes / 2**20:.2f} MiB; full model "
              f"{total:,} parameters, {full / 2**20:.2f} MiB",
              f"FLOPs: {plan.flops_source}", ""] + _group_rows(plan)
-    lines += ["", f"| rank | units | parameters | held (coverage {plan.coverage}) | param MiB | GFLOP |",
-              "|---:|---:|---:|---:|---:|---:|"]
+    lines += ["", "| rank | coverage | units | parameters | held | param MiB | GFLOP |",
+              "|---:|---:|---:|---:|---:|---:|---:|"]
     for r in range(k):
         b, f = float(plan.bytes_per_rank[r]), float(plan.flops_per_rank[r])
-        lines.append(f"| {r} | {int(plan.owners[r].sum())} | {int(plan.params_per_rank[r]):,} | "
-                     f"{float(plan.held_fraction[r]):.1%} | {b / 2**20:.2f} | {f / 1e9:.4f} |")
+        lines.append(f"| {r} | {plan.coverage_of(r):g} | {int(plan.owners[r].sum())} | {int(plan.params_per_rank[r]):,} "
+                     f"| {float(plan.held_fraction[r]):.1%} | {b / 2**20:.2f} | {f / 1e9:.4f} |")
     imb, parts = plan.imbalance, plan.rank_components() if k > 1 else [[0]]
     graph = "connected" if len(parts) == 1 else f"disconnected by units, tied by shared parameters only {parts}"
     counted_by = "traced" if plan.flops_source.startswith("traced") else "2 x params"
@@ -66,7 +70,31 @@ def plan_summary(plan, owners_per_unit: int) -> str:
                   f"rank graph by shared units {graph} (spectral gap {plan.spectral_gap:.3f}), "
                   f"imbalance bytes {imb['bytes']:.1%} flops {imb['flops']:.1%} ({counted_by}), "
                   f"{len(plan.owner_sets())} distinct owner set(s)"]
-    return "\n".join(lines + _width_kept_lines(plan) + _held_warning(plan))
+    return "\n".join(lines + co_training_lines(plan) + _width_kept_lines(plan) + _held_warning(plan))
+
+
+def co_training_lines(plan, schedule=None, steps: int = 10_000) -> list[str]:
+    """Block level: which neighbouring blocks some rank trains together (under `schedule`: in what share of
+    the assignments of `steps` optimizer steps), and a warning when the full model stacks blocks no rank
+    ever trained together."""
+    from .schedule import STATIC, co_training, never_trained_together
+
+    pairs = co_training(plan, schedule or STATIC, steps)
+    if not pairs:
+        return []
+    moving = schedule is not None and schedule.moves
+    cells = [f"{a} + {b.rsplit('.', 1)[-1]}: {f:.0%}" if moving else f"{a} + {b.rsplit('.', 1)[-1]}: {'yes' if f else 'no'}"
+             for a, b, f in pairs]
+    what = f"share of the assignments over {steps} steps" if moving else "static assignment"
+    lines = ["", f"neighbouring blocks trained together by some rank ({what}): " + "; ".join(cells)]
+    never = never_trained_together(pairs)
+    if never:
+        lines.append(f"warning: {len(never)} of {len(pairs)} pairs of neighbouring blocks are never trained together "
+                     f"by any rank ({', '.join(f'{a} + {b}' for a, b in never[:3])}): the full model stacks blocks that "
+                     "never learned to work beside each other (docs/study-cpu.md measures what that costs on Tiny "
+                     "Shakespeare). Move ownership during training (SubnetDataParallel(..., assignment='redraw', "
+                     "reassign_every=N)) or plan block_assignment='contiguous'.")
+    return lines
 
 
 def _width_kept_lines(plan) -> list[str]:

@@ -105,16 +105,19 @@ def raise_on_mismatch(mismatches: list, what: str = "owners") -> None:
         "repeated step, corrupted memory, a bug. Restart from the last good checkpoint.", mismatches)
 
 
-def verify_consistency(layout: RankLayout, process_group=None, timeout: float | None = None) -> None:
+def verify_consistency(layout: RankLayout, process_group=None, timeout: float | None = None, due=None) -> None:
     """Raise ConsistencyError unless every unit's owners hold bit-identical values.
 
     Args:
         layout: this rank's RankLayout. process_group, timeout: the engine's.
+        due: piece -> True when its owners must agree now (a synchronisation period per unit group: the
+            pieces averaged at this step); default: every piece.
     Collective over `process_group` (one all_gather of [num_pieces] int64).
     """
     if layout.world_size == 1 or not dist.is_initialized():
         return
-    pieces = [p for p in layout.pieces if len(p.owners) > 1 and not layout.is_sharded(p)]  # FSDP shards: one holder
+    pieces = [p for p in layout.pieces if len(p.owners) > 1 and not layout.is_sharded(p)  # FSDP shards: one holder
+              and (due is None or due(p))]
     local = _local_hashes(layout, pieces).to(collectives.staging_device(process_group, layout.device))
     table = collectives.all_gather(local, process_group, timeout).cpu()
     labels = [describe_piece(layout.plan, p) for p in pieces]

@@ -148,6 +148,7 @@ class RankLayout:
                                                                       if p.requires_grad))
         self._trainable_ids = frozenset(id(p) for p in self.trainable)
         self.pieces = global_pieces(plan)
+        self._values = {}  # state-dict name -> its local tensor (not sharded ones), looked up once
         self.local_start = local_starts(self.pieces, rank, compact=compact)
         self.integer_entries = self._integer_entries()
 
@@ -201,10 +202,15 @@ class RankLayout:
         if name in self.value_refs:
             module, attr = self.value_refs[name]
             return getattr(module, attr)
+        if name in self._values:
+            return self._values[name]
         path, _, leaf = name.rpartition(".")
         module = self.module.get_submodule(path)
         t = module._parameters[leaf] if leaf in module._parameters else module._buffers[leaf]
-        if name in self.sharded and not hasattr(t, "to_local"):
+        if name not in self.sharded:
+            self._values[name] = t  # the tensors are fixed for the layout's life (FSDP2's gathers aside)
+            return t
+        if not hasattr(t, "to_local"):
             raise RuntimeError(f"the sharded shared parameter {name!r} is gathered (a forward ran without its "
                                "backward); reshard it (FSDP2's reshard()) before reading the layout")
         return t

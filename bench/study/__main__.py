@@ -42,8 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", type=lambda v: v.split(","), default=None, metavar="RUN,RUN",
                    help="run only these configurations (and ddp, which the others are read against), e.g. to "
                         "redo a few; the report covers every result present")
-    p.add_argument("--tasks", type=lambda v: v.split(","), default=list(TASKS),
-                   help=f"comma-separated subset of {','.join(TASKS)} (default: both)")
+    p.add_argument("--tasks", type=lambda v: v.split(","), default=None,
+                   help=f"comma-separated subset of {','.join(TASKS)} (default: every task of the profile)")
     p.add_argument("--out", default=None, help="results folder (default runs/study-<profile>)")
     p.add_argument("--doc", default=None,
                    help="the report's path (default docs/study-cpu.md for the full CPU study, docs/study-cuda.md "
@@ -174,10 +174,11 @@ def main(argv=None) -> int:
     if opts.seeds is not None and opts.seeds < 1:
         print(f"python -m bench.study: --seeds must be at least 1, got {opts.seeds}", file=sys.stderr)
         return 2
-    unknown = sorted(set(opts.tasks) - set(TASKS))
+    opts.tasks = opts.tasks or list(PROFILES[_profile_name(opts)]["tasks"])
+    unknown = sorted(set(opts.tasks) - set(PROFILES[_profile_name(opts)]["tasks"]))
     if unknown:
-        print(f"python -m bench.study: unknown task(s) {unknown}; the study's tasks are {', '.join(TASKS)}",
-              file=sys.stderr)
+        print(f"python -m bench.study: unknown task(s) {unknown}; profile {_profile_name(opts)}'s tasks are "
+              f"{', '.join(PROFILES[_profile_name(opts)]['tasks'])}", file=sys.stderr)
         return 2
     from subnet_ext.data.shakespeare import ENVIRONMENT_VARIABLE, load_tiny_shakespeare
 

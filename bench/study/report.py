@@ -365,16 +365,18 @@ def _plot_anchor(res: Results, folder: str) -> str | None:
 
 def update_block(path: str, summary: dict, report_link: str, source: str) -> str:
     """Rewrite the generated block of the Markdown file `path` from `summary` (and in a README, the example's
-    SDP setting: the recommendation of the first task)."""
+    SDP setting: the recommendation of the first task, or the SDP run closest to one when there is none, which
+    the README's text then says)."""
     from . import decision as decision
 
     with open(path) as f:
         text = f.read()
     readme = os.path.basename(path) == "README.md"  # the README is short: the main task only
     text = decision.replace_block(text, decision.render_block(summary, report_link, source, first_task_only=readme))
-    rec = next(iter(summary["tasks"].values()), {}).get("recommended")
-    if rec and readme:
-        text = decision.rewrite_example(text, rec)
+    task = next(iter(summary["tasks"].values()), {})
+    chosen = task.get("recommended") or task.get("closest")  # the closest when the evidence supports none
+    if chosen and readme:
+        text = decision.rewrite_example(text, chosen)
     with open(path, "w") as f:
         f.write(text)
     return path

@@ -1,13 +1,14 @@
-"""The study (bench/study.py) end to end at its tiny size, and its arithmetic.
+"""The study (python -m bench.study) end to end at its quick size, and its arithmetic.
 
-One run of `bench/study.py --profile tiny` (both tasks, 2 seeds, K = 4) is checked against
-things this file computes itself: model state from the models' parameter counts, FLOPs from
-the layers' shapes (digits' residual MLP, whose products are all Linear layers), stochastic
-depth's per-rank FLOPs from its draws, FSDP2's shards from torch.chunk sizes, where every
-protocol's mark and cooldown fall, that the derived runs (FSDP2, checkpointing) train their
-base run's model, and that summary.json says what the result files say. A cooldown branch
-restored from a snapshot is checked against a run that decayed from there directly. The
-README's and the results page's generated blocks are checked against the summary they name.
+One run of `python -m bench.study --quick` (Tiny Shakespeare, its 8-block model and the bf16 memory
+measurement; 2 seeds; K = 4) is checked against what this file computes itself: model state from the
+models' parameter counts, FSDP2's shards from torch.chunk sizes, FLOPs from models of the same shapes
+(a block-level subnetwork computes what the dense model of its blocks computes, a neuron-level one what
+the narrower dense model does), where every protocol's mark and cooldown fall, that the derived runs
+(FSDP2, checkpointing) train their base run's model, that every label agrees with its interval, and
+that summary.json says what the result files say. A cooldown branch restored from a snapshot is checked
+against a run that decayed from there directly, nanoGPT's schedule against its own formula, and the
+README's and the results page's generated blocks against the summary they name.
 """
 import json
 import math
@@ -19,32 +20,32 @@ import sys
 import pytest
 import torch
 
+from bench.study.runs import (MAIN_TASK, MEMORY_TASK, PROFILES, all_configs, anchor_jobs, cooldown_steps, data_path,
+                              result_path)
+from shakespeare_file import needs_tiny_shakespeare
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "bench"))
-
-from study_runs import PROFILES, all_configs, cooldown_steps, result_path  # noqa: E402
-
-TASKS = ("pysrc", "digits")
-PROFILE = PROFILES["tiny"]
+PROFILE = PROFILES["quick"]
+TASKS = ("shakespeare", "shakespeare-deep")
 SEEDS = list(range(PROFILE["seeds"]))
+pytestmark = needs_tiny_shakespeare
 
 
 @pytest.fixture(scope="module")
 def study(tmp_path_factory):
-    from study_results import Results
+    from bench.study.results import Results
 
     out = tmp_path_factory.mktemp("study")
     doc = out / "doc" / "study.md"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "study.py"), "--profile", "tiny",
-                           "--out", str(out), "--doc", str(doc), "--tasks", ",".join(TASKS)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
+    proc = subprocess.run([sys.executable, "-m", "bench.study", "--quick", "--out", str(out), "--doc", str(doc),
+                           "--data", data_path()], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return str(out), str(doc), Results(str(out))
 
 
-def _load(out, task, seed, name):
-    with open(result_path(out, task, 4, seed, name)) as f:
+def _load(out, task, seed, name, k=4):
+    with open(result_path(out, task, k, seed, name)) as f:
         return json.load(f)
 
 
@@ -52,23 +53,26 @@ def _configs(task):
     return all_configs(task, SEEDS, PROFILE["tasks"][task]["runs"])
 
 
-def _model(task):
-    from subnet_ext.cli.tasks import build_task
+def _model(preset):
+    from subnet_ext.models import build_model
 
-    sizes = PROFILE["tasks"][task]
-    return build_task(sizes["data"], sizes["model"], sizes["preset"], sizes["batch_size"], sizes["seq_len"],
-                      0).make_model()
+    return build_model("gpt", preset=preset)
 
 
 def test_every_configuration_ran_and_the_report_has_every_part(study):
     out, doc, res = study
-    for task in TASKS:
-        for cfg in _configs(task):
+    for task in TASKS + (MEMORY_TASK,):
+        for cfg in all_configs(task, SEEDS if task != MEMORY_TASK else [0], PROFILE["tasks"][task]["runs"]):
             assert os.path.exists(result_path(out, task, 4, cfg["seed"], cfg["name"])), cfg
+    for k, jobs in anchor_jobs(MAIN_TASK, SEEDS).items():
+        for job in jobs:
+            assert _load(out, MAIN_TASK, job["config"]["seed"], "recipe", k)["marks"]["tokens"]["step"] == \
+                PROFILE["tasks"][MAIN_TASK]["steps"]
     text = open(doc).read()
-    for part in ("## Should I use SDP?", "## Setup", "## Verdict", "### Left for judgement", "Quality (full model)",
-                 "Which model to keep", "Which blocks each rank trains", "Costs per rank", "Accuracy at equal tokens",
-                 *(f"## {t}" for t in TASKS)):
+    for part in ("## Should I use SDP?", "## Setup", "## The anchor: nanoGPT's published recipe", "## Verdict",
+                 "Families of comparisons", "### Left for judgement", "Quality (full model)", "Which model to keep",
+                 "Cost at inference", "Which blocks each rank trains", "Costs per rank",
+                 f"## Memory a user would recognise ({MEMORY_TASK})", *(f"## {t}:" for t in TASKS)):
         assert part in text, part
     folder = os.path.join(os.path.dirname(doc), "study")
     for task in TASKS:
@@ -77,95 +81,63 @@ def test_every_configuration_ran_and_the_report_has_every_part(study):
         for plot in (f"{task}-K4-curves.png", f"{task}-K4-memory.png"):
             assert open(os.path.join(folder, plot), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
             assert f"(study/{plot})" in text
-    losses = [_load(out, "pysrc", s, "ddp")["marks"]["tokens"]["loss"]["full"] for s in SEEDS]
+    losses = [_load(out, MAIN_TASK, s, "ddp")["marks"]["tokens"]["loss"]["full"] for s in SEEDS]
     assert f"| ddp | {statistics.fmean(losses):.3f} ± {statistics.stdev(losses):.3f} |" in text
+    for name in res.names(MEMORY_TASK, 4):
+        assert f"| {name} |" in text.split("## Memory a user would recognise")[1], name
 
 
 def test_derived_runs_train_their_base_runs_model(study):
     """FSDP2 and checkpointing change where tensors live, not the updates: the first steps' training losses
     of each derived run (its own steps) equal its base run's, rank by rank."""
     out, _, _ = study
-    for task in TASKS:
-        for cfg in [c for c in _configs(task) if c.get("derived_from")]:
-            mine = _load(out, task, cfg["seed"], cfg["name"])["per_rank"]
-            base = _load(out, task, cfg["seed"], cfg["derived_from"])["per_rank"]
-            for a, b in zip(mine, base):
-                common = sorted(set(a["train_losses"]) & set(b["train_losses"]), key=int)
-                assert len(common) >= 3, (cfg["name"], common)  # at least two updates compared
-                for step in common:
-                    assert a["train_losses"][step] == pytest.approx(b["train_losses"][step], abs=1e-4), \
-                        (task, cfg["name"], step)
+    derived = [c for c in _configs(MAIN_TASK) if c.get("derived_from")]
+    assert {c["name"] for c in derived} >= {"fsdp", "ddp-ac", "sdp-block-forward-ac-c0.5"}
+    for cfg in derived:
+        mine = _load(out, MAIN_TASK, cfg["seed"], cfg["name"])["per_rank"]
+        base = _load(out, MAIN_TASK, cfg["seed"], cfg["derived_from"])["per_rank"]
+        for a, b in zip(mine, base):
+            common = sorted(set(a["train_losses"]) & set(b["train_losses"]), key=int)
+            assert len(common) >= 3, (cfg["name"], common)  # at least two updates compared
+            for step in common:
+                assert a["train_losses"][step] == pytest.approx(b["train_losses"][step], abs=1e-4), \
+                    (cfg["name"], step)
 
 
 def test_model_state_bytes_are_the_parameter_counts(study):
     out, _, _ = study
-    for task in TASKS:
-        model = _model(task)
-        params = list(model.parameters())
-        n = sum(p.numel() for p in params)
-        for rank in _load(out, task, 0, "ddp")["per_rank"]:  # fp32 parameters, gradients, AdamW's moments, 0-d steps
-            assert rank["memory"]["parameters"] == rank["memory"]["gradients"] == 4 * n
-            assert rank["memory"]["optimizer_state"] == 8 * n + 4 * len(params)
-            meter = rank["meter"]
-            assert meter["model_state"] + meter["activations"] + meter["transient"] == meter["total"]
-            assert meter["model_state"] >= 12 * n  # parameters and both moments are alive at any moment of a step
-        for r, rank in enumerate(_load(out, task, 0, "fsdp")["per_rank"]):  # dim-0 shards as torch.chunk makes
-            shard = sum(c[r].numel() if r < len(c := torch.chunk(p.detach(), 4)) else 0 for p in params)
-            assert rank["memory"]["parameters"] == 4 * shard, (task, r)
-        blocks = [m for name, m in model.named_modules() if name.count(".") == (2 if task == "pysrc" else 1)
-                  and name.split(".")[-1].isdigit()]
-        per_block = sum(p.numel() for p in blocks[0].parameters())
-        assert all(sum(p.numel() for p in b.parameters()) == per_block for b in blocks)
-        for rank in _load(out, task, 0, "sdp-block-forward-c0.5")["per_rank"]:  # shared + half the blocks
-            assert rank["memory"]["parameters"] == 4 * (n - len(blocks) * per_block + len(blocks) // 2 * per_block)
+    model = _model("shakespeare")
+    params = list(model.parameters())
+    n = sum(p.numel() for p in params)
+    for rank in _load(out, MAIN_TASK, 0, "ddp")["per_rank"]:  # fp32 parameters, gradients, AdamW's moments, steps
+        assert rank["memory"]["parameters"] == rank["memory"]["gradients"] == 4 * n
+        assert rank["memory"]["optimizer_state"] == 8 * n + 4 * len(params)
+        meter = rank["meter"]
+        assert meter["model_state"] + meter["activations"] + meter["transient"] == meter["total"]
+        assert meter["model_state"] >= 12 * n  # parameters and both moments are alive at any moment of a step
+    for r, rank in enumerate(_load(out, MAIN_TASK, 0, "fsdp")["per_rank"]):  # dim-0 shards as torch.chunk makes
+        shard = sum(c[r].numel() if r < len(c := torch.chunk(p.detach(), 4)) else 0 for p in params)
+        assert rank["memory"]["parameters"] == 4 * shard, r
+    for name, preset in (("sdp-block-forward-c0.5", "shakespeare-half-depth"),
+                         ("sdp-neuron-forward-c0.5", "shakespeare-half-width"),
+                         ("sdp-block-forward-c0.25", "shakespeare-quarter-depth"),
+                         ("sdp-neuron-forward-c0.25", "shakespeare-quarter-width")):
+        held = sum(p.numel() for p in _model(preset).parameters())  # the subnetwork is that dense model's size
+        for rank in _load(out, MAIN_TASK, 0, name)["per_rank"]:
+            assert rank["memory"]["parameters"] == 4 * held, (name, rank["rank"])
 
 
-def _mlp_flops(batch, blocks_forward, blocks_weight_grad, hidden=512, width=128, inputs=64, classes=10):
-    """A training step of the residual MLP: Linear forward 2*B*in*out, grad input the same (not for the
-    stem, whose input needs none), grad weight the same (for the blocks whose weights are trained)."""
-    linear = lambda i, o: 2 * batch * i * o  # noqa: E731
-    block = linear(width, hidden) + linear(hidden, width)
-    forward = linear(inputs, width) + blocks_forward * block + linear(width, classes)
-    grad_input = forward - linear(inputs, width)
-    grad_weight = linear(inputs, width) + blocks_weight_grad * block + linear(width, classes)
-    return forward + grad_input + grad_weight
-
-
-def test_flops_are_the_layers_products(study):
+def test_a_subnetwork_computes_what_the_dense_model_of_its_size_computes(study):
+    """FLOPs per step: a block-level subnetwork at C = 0.5 runs two of the four blocks, as the 2-block dense
+    model does; a neuron-level one runs half of every block's heads and neurons, as the narrower dense model
+    does; half the batch, half the FLOPs; the backward regime's full forward costs more than the forward's."""
     out, _, _ = study
-    from subnet_ext.cli.stochastic_depth import StochasticDepth
-
-    b = PROFILE["tasks"]["digits"]["batch_size"]
-    expected = {"ddp": _mlp_flops(b, 4, 4), "fsdp": _mlp_flops(b, 4, 4), "ddp-halfbatch": _mlp_flops(b // 2, 4, 4),
-                "sdp-block-forward-c0.5": _mlp_flops(b, 2, 2), "sdp-block-backward-c0.5": _mlp_flops(b, 4, 2),
-                # neuron level: half of each block's hidden units, in the forward regime compact, in the
-                # backward regime only their weight gradients (the masked kernels, given formulas)
-                "sdp-neuron-forward-c0.5": _mlp_flops(b, 2, 2), "sdp-neuron-backward-c0.5": _mlp_flops(b, 4, 2)}
-    # Checkpointing recomputes each block's forward in backward up to the last tensor its backward needs
-    # (non-reentrant checkpoints stop early): fc1 and the activation, not fc2, whose output nothing saves.
-    expected["ddp-ac"] = _mlp_flops(b, 4, 4) + 4 * 2 * b * 128 * 512
-    for name, flops in expected.items():
-        for rank in _load(out, "digits", 0, name)["per_rank"]:
-            assert rank["counted_step_flops"] == flops, (name, rank["rank"])
-    for rank in _load(out, "digits", 0, "ddp-sd-c0.5")["per_rank"]:
-        kept = StochasticDepth(_model("digits"), 0.5, 0, rank["rank"]).kept_blocks(0, rank["rank"])
-        assert rank["counted_step_flops"] == _mlp_flops(b, sum(kept), sum(kept)), rank["rank"]
-
-
-def test_linear_stochastic_depth_scales_each_block_by_its_own_survival():
-    """In eval mode each block's branches are scaled by 1 - its own drop rate (the rates by hand)."""
-    from study_run import LinearStochasticDepth
-
-    torch.manual_seed(0)
-    model = _model("digits").eval()
-    reference = _model("digits").eval()
-    reference.load_state_dict(model.state_dict())
-    drops = [0.1, 0.2, 0.3, 0.4]
-    LinearStochasticDepth(model, drops, seed=0, rank=0)
-    for block, drop in zip(reference.blocks, drops):
-        block.fc2.register_forward_hook(lambda m, a, out, p=1 - drop: out * p)
-    x = torch.randn(3, 64)
-    torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+    flops = {c["name"]: _load(out, MAIN_TASK, 0, c["name"])["step_flops"] for c in _configs(MAIN_TASK) if c["seed"] == 0}
+    assert flops["sdp-block-forward-c0.5"] == flops["dense-half-depth"]
+    assert flops["sdp-neuron-forward-c0.5"] == flops["dense-half-width"]
+    assert flops["sdp-block-forward-c0.25"] == flops["dense-quarter-depth"]
+    assert flops["ddp-halfbatch"] == flops["ddp"] / 2 and flops["fsdp"] == flops["ddp"]
+    assert flops["sdp-block-forward-c0.5"] < flops["sdp-block-backward-c0.5"] < flops["ddp"]
 
 
 def test_marks_and_cooldowns_fall_where_the_budgets_are_reached(study):
@@ -173,7 +145,7 @@ def test_marks_and_cooldowns_fall_where_the_budgets_are_reached(study):
     for task in TASKS:
         for seed in SEEDS:
             base = _load(out, task, seed, "ddp")["marks"]["tokens"]
-            for cfg in [c for c in _configs(task) if c["seed"] == seed and not c.get("phase_of")]:
+            for cfg in [c for c in _configs(task) if c["seed"] == seed]:
                 r = _load(out, task, seed, cfg["name"])
                 at = r["marks"]
                 assert at["tokens"]["tokens"] >= base["tokens"] > at["tokens"]["tokens"] - at["tokens"]["tokens"] \
@@ -189,50 +161,66 @@ def test_marks_and_cooldowns_fall_where_the_budgets_are_reached(study):
 
 def test_forward_regime_subnetworks_are_what_each_rank_trained(study):
     out, _, _ = study
-    for task in TASKS:
-        for name in ("sdp-block-forward-c0.5", "sdp-neuron-forward-c0.5"):
-            checked = [p for p in _load(out, task, 0, name)["marks"].values() if "subnetwork_check" in p]
-            assert checked and all(p["subnetwork_check"] < 1e-5 for p in checked), (task, name)
+    for name in ("sdp-block-forward-c0.5", "sdp-neuron-forward-c0.5"):
+        checked = [p for p in _load(out, MAIN_TASK, 0, name)["marks"].values() if "subnetwork_check" in p]
+        assert checked and all(p["subnetwork_check"] < 1e-5 for p in checked), name
 
 
 def test_the_summary_says_what_the_result_files_say(study):
     out, doc, res = study
     with open(os.path.join(os.path.dirname(doc), "study", "summary.json")) as f:
         summary = json.load(f)
-    for task in TASKS:
-        a = summary["tasks"][task]["analysis"]
-        ddp = [_load(out, task, s, "ddp")["marks"]["tokens"]["loss"]["full"] for s in SEEDS]
-        assert a["ddp"]["protocols"]["tokens"]["loss"] == pytest.approx(statistics.fmean(ddp))
-        peak = lambda name: max(x["meter"]["total"] for s in SEEDS for x in _load(out, task, s, name)["per_rank"])  # noqa: E731
-        for name in ("ddp-ac", "sdp-block-forward-c0.5"):
-            assert a["runs"][name]["memory"] == pytest.approx(peak(name) / peak("ddp"))
-        for name in ("ddp-halfbatch", "sdp-block-forward-c0.5"):
-            diffs = [_load(out, task, s, name)["marks"]["flops"]["loss"]["full"] - ddp[s] for s in SEEDS]
-            assert a["vs_ddp"][f"{name}|flops"]["mean"] == pytest.approx(statistics.fmean(diffs))
-        rows = summary["tasks"][task]["decision"]
-        assert rows[0]["tokens"]["run"] in a["runs"] or rows[0]["tokens"]["run"] == "ddp"
-        assert [r["budget"] for r in rows] == sorted((r["budget"] for r in rows), reverse=True)
+    t = summary["tasks"][MAIN_TASK]
+    ddp = [_load(out, MAIN_TASK, s, "ddp")["marks"]["tokens"]["loss"]["full"] for s in SEEDS]
+    assert t["ddp"]["protocols"]["tokens"]["loss"] == pytest.approx(statistics.fmean(ddp))
+    assert t["per_seed"]["K4/ddp"]["tokens"]["full"] == {str(s): v for s, v in zip(SEEDS, ddp)}
+    peak = lambda name: max(x["meter"]["total"] for s in SEEDS for x in _load(out, MAIN_TASK, s, name)["per_rank"])  # noqa: E731
+    for name in ("ddp-ac", "sdp-block-forward-c0.5", "dense-half-depth"):
+        assert t["runs"][name]["memory"] == pytest.approx(peak(name) / peak("ddp"))
+    seen = set()
+    for c in t["comparisons"]:  # each comparison once, in one family, its label read off its interval
+        key = (c["a"], c["a_model"], c["b"], c["b_model"], c["protocol"])
+        assert key not in seen, key
+        seen.add(key)
+        if c["lo"] is not None:
+            assert (c["label"] == "better") == (c["hi"] < 0) and (c["label"] == "worse") == (c["lo"] > 0), c
+            assert c["label"] != "no worse" or c["hi"] < t["margin"], c
+        if (c["a_model"], c["b"], c["b_model"]) == ("full", "ddp", "full"):
+            diffs = [_load(out, MAIN_TASK, s, c["a"])["marks"][c["protocol"]]["loss"]["full"] - ddp[s] for s in SEEDS]
+            assert c["mean"] == pytest.approx(statistics.fmean(diffs)), c
+    families = {f["name"]: f for f in t["families"]}
+    assert set(families) <= {"decision", "vs ddp", "vs smaller dense", "which model to keep"}
+    assert all(f["m"] == sum(c["family"] == f["name"] for c in t["comparisons"] if c["n"] >= 2)
+               for f in families.values())
+    rows = t["decision"]
+    assert [r["budget"] for r in rows] == sorted((r["budget"] for r in rows), reverse=True)
+    for row in rows:  # SDP is used only where its comparison says better or no worse at both protocols
+        if row["sdp_setting"]:
+            assert all(row[p]["delta"]["label"] in ("better", "no worse") for p in ("tokens", "flops")), row
+    anchor = summary["anchor"]["runs"]
+    assert len(anchor) == 3 and all(e["n"] == len(SEEDS) for e in anchor.values())
 
 
-def _branch_worker(rank, world):
+def _branch_worker(rank, world, data):
     """A cooldown branch restored from a snapshot equals a run that decayed from there directly."""
-    sys.path.insert(0, os.path.join(REPO, "bench"))
-    from study_eval import evaluate_method
-    from study_measure import register_masked_linear_flops
-    from study_run import Run
-    from study_worker import _reference, _task
+    from bench.study.evaluation import evaluate_method
+    from bench.study.measure import register_masked_linear_flops
+    from bench.study.training import Run
+    from bench.study.worker import _reference, _task
 
+    os.environ["SUBNET_EXT_TINY_SHAKESPEARE"] = data
     register_masked_linear_flops()
-    profile = dict(PROFILES["tiny"], name="tiny")
-    sizes = profile["tasks"]["digits"]
+    profile = dict(PROFILE, name="quick")
+    sizes = profile["tasks"][MAIN_TASK]
     task = _task(sizes, 0, sizes["batch_size"])
     reference = _reference(task, torch.device("cpu"))
     out = {}
     configs = [{"name": "ddp", "method": "ddp"}, {"name": "ddp-sd-c0.5", "method": "ddp", "stochastic_depth": 0.5},
                {"name": "sdp-block-forward-c0.5", "method": "sdp", "level": "block", "regime": "forward",
                 "coverage": 0.5}]
+    batches = list(task.eval_batches())[:2]
     for extra in configs:
-        cfg = dict(extra, task="digits", K=world, seed=0, baseline="ddp")
+        cfg = dict(extra, task=MAIN_TASK, K=world, seed=0, baseline="ddp")
         losses = []
         for restore in (True, False):
             run = Run(cfg, profile, torch.device("cpu"), task, reference)
@@ -245,8 +233,8 @@ def _branch_worker(rank, world):
             run.cooldown = (1, 4)
             while run.step < 4:
                 run.step_once()
-            found = evaluate_method(cfg["method"], run.method, task, list(task.eval_batches()), torch.device("cpu"),
-                                    run.stochastic, every_model=False)
+            found = evaluate_method(cfg["method"], run.method, task, batches, torch.device("cpu"), run.stochastic,
+                                    every_model=False)
             losses.append(found["loss"]["full"])
             run.close()
         out[cfg["name"]] = losses
@@ -256,39 +244,50 @@ def _branch_worker(rank, world):
 def test_a_restored_cooldown_branch_is_a_direct_decay():
     from subnet_ext.testing import run_distributed
 
-    for found in run_distributed(_branch_worker, 2, timeout=600):
+    for found in run_distributed(_branch_worker, 2, data_path(), timeout=600):
         for name, (restored, direct) in found.items():
             assert restored == pytest.approx(direct, abs=1e-6), name
 
 
-def test_the_learning_rate_schedule_and_the_marks():
-    from study_run import lr_factor, linear_drop_rates
-    from study_runs import flops_mark, seconds_mark, tokens_mark
+def test_the_learning_rate_schedules_and_the_marks():
+    from bench.study.runs import flops_mark, seconds_mark, tokens_mark
+    from bench.study.training import lr_factor, recipe_lr_factor
 
     assert tokens_mark(1000, 100) == 10 and tokens_mark(1000, 300) == 4
     assert flops_mark(10.0, lambda s: 3.0, 100) == 4 and flops_mark(10.0, lambda s: 3.0, 3) is None
     assert flops_mark(6.0, lambda s: [1.0, 2.0, 3.0][s], 3) == 3  # stochastic depth: per-step FLOPs differ
     assert seconds_mark(10.0, 0.3, 100) == 34 and seconds_mark(10.0, 0.3, 20) is None
     assert [cooldown_steps(m, 0.2) for m in (1, 2, 10, 250)] == [1, 1, 2, 50]
-
     assert [lr_factor(s, 4) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
     assert [lr_factor(s, 2, (6, 10)) for s in range(5, 11)] == [1.0, 1.0, 0.75, 0.5, 0.25, 1.0]
-    rates = linear_drop_rates(16, 0.5)
-    assert rates[0] == pytest.approx(1 / 17) and rates[-1] == pytest.approx(16 / 17)
-    assert statistics.fmean(rates) == pytest.approx(0.5)
-    with pytest.raises(ValueError, match="coverage of at least 0.5"):
-        linear_drop_rates(16, 0.25)
+
+    def get_lr(it, learning_rate=1e-3, min_lr=1e-4, warmup_iters=100, lr_decay_iters=2000):
+        # nanoGPT's train.py, as written there
+        if it < warmup_iters:
+            return learning_rate * (it + 1) / (warmup_iters + 1)
+        if it > lr_decay_iters:
+            return min_lr
+        decay_ratio = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
+        coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))
+        return min_lr + coeff * (learning_rate - min_lr)
+
+    for it in (0, 50, 99, 100, 101, 1000, 1999, 2000, 2001):
+        assert 1e-3 * recipe_lr_factor(it, 100, 2000, 0.1) == pytest.approx(get_lr(it), rel=1e-12), it
 
 
-def test_bad_seed_count_is_refused():
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "study.py"), "--seeds", "0", "--report-only"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+def test_bad_arguments_and_a_missing_corpus_are_refused(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "bench.study", "--seeds", "0", "--report-only"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--seeds must be at least 1" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "bench.study", "--quick", "--report-only", "--data",
+                           str(tmp_path / "missing.txt"), "--out", str(tmp_path)], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "missing.txt" in proc.stderr and "is not a file" in proc.stderr
 
 
 # ------------------------------------------------------------------------------------- the committed docs
 def _block_and_summary(path):
-    import study_decision as decision
+    from bench.study import decision
 
     with open(path) as f:
         text = f.read()
@@ -302,8 +301,9 @@ def _block_and_summary(path):
 @pytest.mark.parametrize("page", ["README.md", os.path.join("docs", "results.md")])
 def test_generated_blocks_are_what_their_summary_gives(page):
     """Every figure in the README's and the results page's study blocks: rendered again from the summary
-    file the block names, it must come out the same (so nothing there is typed by hand)."""
-    import study_decision as decision
+    file the block names, it must come out the same (so nothing there is typed by hand); the README's
+    example uses the setting the evidence supports, or the one closest to it when it supports none."""
+    from bench.study import decision
 
     path = os.path.join(REPO, page)
     text, block, summary = _block_and_summary(path)
@@ -313,19 +313,10 @@ def test_generated_blocks_are_what_their_summary_gives(page):
             link = line.split("](", 1)[1].split(")", 1)[0]
     assert block == decision.render_block(summary, link, decision.block_source(block),
                                           first_task_only=page == "README.md")
-    if page == "README.md":  # the example uses the recommended setting
-        rec = next(iter(summary["tasks"].values()))["recommended"]
+    if page == "README.md":
+        task = next(iter(summary["tasks"].values()))
+        chosen = task["recommended"] or task["closest"]
         example = decision.example_setting(text)
-        assert (example["level"], example["regime"], example["coverage"]) == (rec["level"], rec["regime"],
-                                                                              rec["coverage"])
-        assert example["cli"] == (rec["level"], rec["regime"], rec["coverage"])
-
-
-def test_the_results_page_describes_the_study_as_configured():
-    from subnet_ext.models.gpt import GPT_PRESETS
-
-    text = open(os.path.join(REPO, "docs", "results.md")).read()
-    deep = GPT_PRESETS[PROFILES["full"]["tasks"]["pysrc"]["preset"]]
-    assert f"({deep.n_layer} blocks, so block-level SDP at C = 0.5 keeps {deep.n_layer // 2} blocks" in text
-    assert PROFILES["full"]["seeds"] >= 5 and "over at least five seeds" in text
-    assert not math.isnan(PROFILES["full"]["cooldown"])
+        assert (example["level"], example["regime"], example["coverage"]) == (chosen["level"], chosen["regime"],
+                                                                              chosen["coverage"])
+        assert example["cli"] == (chosen["level"], chosen["regime"], chosen["coverage"])

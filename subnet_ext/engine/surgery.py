@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from ..planning.pieces import Piece
 from ..planning.residual import skip_path
+from ..planning.units import is_basic_block, is_bottleneck
 from .head_check import check_sliced_heads
 from .module_swaps import ModuleSwaps, twin
 from .owned_conv import OwnedConv2d, conv_can_be_owned
@@ -51,6 +52,10 @@ class SkippedBlock(nn.Module):
         self._skip_forward = None
         if skip != "identity":
             path = skip_path(block)
+            if not path.traced and not (is_basic_block(block) or is_bottleneck(block)):
+                raise ValueError(f"SkippedBlock: the plan says skip={skip!r} for a {type(block).__name__} that "
+                                 "torch.fx cannot trace, and no traced call of this module was made in this process: "
+                                 "plan this model with sample_input= (plan_subnetworks) before wrapping it")
             if path.traced and path.mode != skip:
                 raise ValueError(f"SkippedBlock: the plan says skip={skip!r} for a {type(block).__name__}, "
                                  f"but the block computes {path.mode!r}: the plan was made for another model")

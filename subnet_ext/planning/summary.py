@@ -7,6 +7,8 @@ recognised block, a large embedding) says so, with the largest shared tensors.
 """
 from __future__ import annotations
 
+from .unsplit import unsplit_lines
+
 HELD_MARGIN = 0.10  # a rank holding more than coverage + this fraction of the parameters is flagged
 
 
@@ -66,7 +68,7 @@ def plan_summary(plan, owners_per_unit: int) -> str:
                   f"rank graph by shared units {graph} (spectral gap {plan.spectral_gap:.3f}), "
                   f"imbalance bytes {imb['bytes']:.1%} flops {imb['flops']:.1%} ({counted_by}), "
                   f"{len(plan.owner_sets())} distinct owner set(s)"]
-    return "\n".join(lines + _width_kept_lines(plan) + _held_warning(plan))
+    return "\n".join(lines + unsplit_lines(getattr(plan, "unsplit", {})) + _width_kept_lines(plan) + _held_warning(plan))
 
 
 def _width_kept_lines(plan) -> list[str]:

@@ -50,9 +50,21 @@ class BlockTracer:
     def __init__(self, model: nn.Module, sample_input=None):
         self.calls = RecordedCalls(model, sample_input) if sample_input is not None else None
         self.refused: dict[str, str] = {}
+        self._found: dict[str, SkipPath | ResidualError] = {}
 
     def skip_path(self, path: str, block: nn.Module) -> SkipPath:
         """The block's skip path; ResidualError (untraceable: neither trace ran) otherwise."""
+        if path not in self._found:
+            try:
+                self._found[path] = self._skip_path(path, block)
+            except ResidualError as e:
+                self._found[path] = e
+        found = self._found[path]
+        if isinstance(found, ResidualError):
+            raise ResidualError(str(found), found.untraceable, found.traced_call)
+        return found
+
+    def _skip_path(self, path: str, block: nn.Module) -> SkipPath:
         try:
             return trace_skip_path(block)
         except ResidualError as e:
@@ -68,7 +80,7 @@ class BlockTracer:
         try:
             return traced_call_skip_path(block, meta_block, args, kwargs)
         except ResidualError as e:
-            raise ResidualError(f"{fx_error}; in the call on the sample input, {e}", e.untraceable) from None
+            raise ResidualError(f"{fx_error}; in the call on the sample input, {e}", e.untraceable, True) from None
 
     def traces_as_block(self, path: str, m: nn.Module) -> bool:
         """True when `m` traces as a residual block with parameters outside its skip path; a
@@ -78,7 +90,7 @@ class BlockTracer:
         try:
             found = self.skip_path(path, m)
         except ResidualError as e:
-            if e.untraceable:
+            if e.untraceable or e.traced_call:  # torch.fx could not read it: say why it is no block
                 self.refused[path] = f"{type(m).__name__}: {e}"
             return False
         return any(n.split(".")[0] not in found.modules for n, _ in m.named_parameters())

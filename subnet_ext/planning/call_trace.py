@@ -8,7 +8,7 @@ skipping the block computes, which one real call shows. So:
 - `RecordedCalls` runs the model once on its `sample_input`, on a meta copy (shapes only,
   nothing computed or allocated), and keeps each module's first call: its arguments and
   keyword arguments as meta tensors, as the parent passed them (masks, rotary tables,
-  keyword-only inputs included);
+  keyword-only inputs included), copied as they were at the call (a KV cache grows);
 - `trace_call` runs that call of the block again under a TorchDispatchMode that records
   every aten op the block's own forward makes, while forward hooks turn each submodule call
   into one opaque node. The result is an fx graph of the same form as the symbolic trace's
@@ -23,6 +23,7 @@ and is reported with the block's name.
 """
 from __future__ import annotations
 
+import copy
 import inspect
 import operator
 
@@ -46,6 +47,16 @@ def constant(value):
     return value
 
 
+def _snapshot(value):
+    """A deep copy of a call's arguments (meta tensors: nothing allocated): a KV cache the
+    model passes is mutated by the call, so each replay starts from the state it was called
+    with. The arguments themselves where they cannot be copied."""
+    try:
+        return copy.deepcopy(value)
+    except Exception:  # noqa: BLE001 - an argument deepcopy cannot handle: replayed as it is
+        return value
+
+
 class RecordedCalls:
     """The first call of every module of `model` on `sample_input`, run once on a meta copy.
 
@@ -63,7 +74,8 @@ class RecordedCalls:
         calls, handles = {}, []
         for path, module in meta.named_modules():
             def pre(m, args, kwargs, path=path):
-                calls.setdefault(path, (args, kwargs))
+                if path not in calls:
+                    calls[path] = _snapshot((args, kwargs))
             handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         modes = {m: m.training for m in meta.modules()}
         meta.eval()
@@ -91,7 +103,7 @@ class RecordedCalls:
         if path not in self._calls:
             why = self._error or "the model's forward on sample_input never called it"
             raise ValueError(f"no call of {path!r} was recorded: {why}")
-        args, kwargs = self._calls[path]
+        args, kwargs = _snapshot(self._calls[path])
         return self._meta.get_submodule(path), args, kwargs
 
 

@@ -79,12 +79,13 @@ _NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm) + \
 
 
 class ResidualError(ValueError):
-    """Why a module is not a residual block the planner can skip. untraceable: torch.fx
-    could not trace it (as opposed to: traced, and no residual add around it)."""
+    """Why a module is not a residual block the planner can skip. untraceable: it could not
+    be traced (as opposed to: traced, and no residual add around it); traced_call: the reason
+    comes from a traced call (torch.fx could not read the module)."""
 
-    def __init__(self, message: str, untraceable: bool = False):
+    def __init__(self, message: str, untraceable: bool = False, traced_call: bool = False):
         super().__init__(message)
-        self.untraceable = untraceable
+        self.untraceable, self.traced_call = untraceable, traced_call
 
 
 @dataclass

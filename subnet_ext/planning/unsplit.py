@@ -55,10 +55,11 @@ def neuron_level_unsplit(model: nn.Module, groups, noted: dict) -> dict[str, str
 
 
 def _shown(paths: list[str]) -> str:
-    """One path, or the first with the count and the pattern (indices as *)."""
-    if len(paths) == 1:
-        return repr(paths[0])
-    patterns = sorted({re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", p) for p in paths})
+    """The paths, or where indices repeat (a model's 12 blocks) the first with the count and the
+    patterns (indices as *)."""
+    patterns = list(dict.fromkeys(re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", p) for p in paths))
+    if len(patterns) == len(paths):
+        return ", ".join(repr(p) for p in paths)
     return f"{paths[0]!r} and {len(paths) - 1} more ({', '.join(patterns)})"
 
 

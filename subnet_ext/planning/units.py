@@ -236,6 +236,22 @@ def _plain_stack_groups(seq: nn.Sequential, path: str, model) -> list[UnitGroup]
     return groups
 
 
+def _declared_groups(model: nn.Module, neuron_groups) -> list[UnitGroup]:
+    """The groups the user declared (find_neuron_groups' neuron_groups), checked against the model."""
+    out = []
+    for decl in neuron_groups:
+        if len(decl) not in (2, 3):
+            raise ValueError(f"a neuron group is (producers, consumers[, norms]), got {decl!r}")
+        prods, cons = ([d] if isinstance(d, str) else list(d) for d in decl[:2])
+        norms = [] if len(decl) == 2 else ([decl[2]] if isinstance(decl[2], str) else list(decl[2]))
+        names = dict(model.named_modules())
+        for p in prods + cons + norms:
+            if p not in names:
+                raise ValueError(f"declared neuron group names {p!r}, which is not a submodule of the model")
+        out.append(_pair_group(model, "neuron", prods[0], prods, cons, norms))
+    return out
+
+
 def find_neuron_groups(model: nn.Module, neuron_groups=None, unsplit: dict | None = None) -> list[UnitGroup]:
     """Neuron/head/channel groups, in model order.
 
@@ -244,18 +260,7 @@ def find_neuron_groups(model: nn.Module, neuron_groups=None, unsplit: dict | Non
     unsplit: filled with {module path: why} of the layers left whole (unsplit.py).
     """
     if neuron_groups is not None:
-        out = []
-        for decl in neuron_groups:
-            if len(decl) not in (2, 3):
-                raise ValueError(f"a neuron group is (producers, consumers[, norms]), got {decl!r}")
-            prods, cons = ([d] if isinstance(d, str) else list(d) for d in decl[:2])
-            norms = [] if len(decl) == 2 else ([decl[2]] if isinstance(decl[2], str) else list(decl[2]))
-            names = dict(model.named_modules())
-            for p in prods + cons + norms:
-                if p not in names:
-                    raise ValueError(f"declared neuron group names {p!r}, which is not a submodule of the model")
-            out.append(_pair_group(model, "neuron", prods[0], prods, cons, norms))
-        return out
+        return _declared_groups(model, neuron_groups)
     groups, taken, noted = [], set(), {}
     for path, m in model.named_modules():
         if path in taken:

@@ -127,11 +127,13 @@ class _Recorder(TorchDispatchMode):
     """Records the aten ops the block's own forward makes (not those inside a child) into `graph`.
 
     `nodes`: {id(tensor): (tensor, node)}: which node produced each live tensor (the tensor is
-    kept so its id is not reused); an in-place op makes its node the tensor's producer."""
+    kept so its id is not reused); an in-place op makes its node the tensor's producer.
+    `depth`: submodule calls entered (ops inside one are the child's, not recorded); `pending`:
+    the outermost child call's (args, kwargs) as nodes, until it returns."""
 
     def __init__(self, graph: fx.Graph, names: dict):
         super().__init__()
-        self.graph, self.names, self.nodes, self.depth = graph, names, {}, 0
+        self.graph, self.names, self.nodes, self.depth, self.pending = graph, names, {}, 0, None
 
     def bind(self, tensor: torch.Tensor, node: fx.Node) -> None:
         node.meta.setdefault("val", tensor)

@@ -3,7 +3,8 @@
 A rank holds the shared parameters plus the units it owns, so at coverage C it holds
 about C of the model only when the units carry most of the parameters. A plan whose
 shared parameters push a rank's held fraction more than HELD_MARGIN above C (a half-
-recognised block, a large embedding) says so, with the largest shared tensors.
+recognised block, a large embedding) says so, with the largest shared tensors; and every
+module the planner left whole that it could have split is named with why (unsplit.py).
 """
 from __future__ import annotations
 

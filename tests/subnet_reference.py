@@ -8,6 +8,7 @@ same outputs and the same gradients on the owned slices as the compact subnetwor
 One SGD step of the engine must then equal theta - lr * (owner mean of these gradients).
 """
 import copy
+import inspect
 
 import torch
 import torch.nn as nn
@@ -24,7 +25,8 @@ class _Replacement(nn.Module):
         except AttributeError:
             return getattr(super().__getattr__("block"), name)
 
-    def forward(self, x, *args, **kwargs):
+    def forward(self, *args, **kwargs):  # the input by position, or by the block's first parameter's name
+        x = args[0] if args else kwargs[next(iter(inspect.signature(self.block.forward).parameters))]
         return self.fn(self.block, x)
 
 

@@ -8,6 +8,8 @@ nn.Linear/Conv/norm widths, transformers' Conv1D nx/nf. A head group's attention
 its twin, whose head count (`num_heads`, `n_head`) and the widths derived from it (`split_size`,
 `attn_dim`, `n_embd` where they equal heads x head_dim) become the kept heads'. The user's modules
 keep their attributes; close() swaps them back and restore.py re-creates their tensors.
+torch's nn.MultiheadAttention is swapped for a SlicedMultiheadAttention (sliced_attention.py):
+its own forward cannot run with its heads sliced.
 A tensor of the root module itself cannot be swapped out: it is sliced in place, and restore.py
 puts it and its module's widths back.
 """
@@ -17,7 +19,8 @@ import torch
 import torch.nn as nn
 
 from ..planning.pieces import Piece, owned_indices
-from .module_swaps import ModuleSwaps, twin
+from .module_swaps import ModuleSwaps
+from .sliced_attention import SlicedMultiheadAttention, attention_stand_in
 from .sliced_layers import release, sliced_stand_in
 
 WIDTH_ATTRS = {0: ("out_features", "out_channels", "num_features", "normalized_shape"),
@@ -101,8 +104,11 @@ def slice_group(root: nn.Module, prefix: str, group, pieces: list[Piece], rank: 
     model, stripped from the members' names). kept: units of the group this rank owns."""
     strip = len(prefix) + 1 if prefix else 0
     if group.kind == "head":
-        attn = stand_in(root, group.path[strip:], swaps, twin)
-        fix_head_attrs(attn, group.size, kept, consumer_member(group).width)
+        attn = stand_in(root, group.path[strip:], swaps, attention_stand_in)
+        out = consumer_member(group)
+        fix_head_attrs(attn, group.size, kept, out.width)
+        if isinstance(attn, SlicedMultiheadAttention):  # which heads it holds, for a per-head attention mask
+            attn.kept_heads = torch.unique(owned_indices(pieces, rank, out.name)[1] // out.width)
     for name in dict.fromkeys(m.name for m in group.members):  # a fused tensor is listed once per block
         dim, idx = owned_indices(pieces, rank, name)
         path, leaf = split_name(name[strip:])

@@ -11,10 +11,13 @@ of its full tensor (owned_slices.py), so the optimizer updates the full tensor i
 and keeps state only for owned pieces. Sliced Linear and Conv2d layers are swapped for
 the engine's OwnedLinear / OwnedConv2d (module_swaps.py; `close()` puts the user's back),
 which compute only the owned weight gradient; other layers (norms, convs with groups)
-route the gradient through a concatenation of detached and owned slices.
+route the gradient through a concatenation of detached and owned slices, assembled by a
+pre-hook before each forward (for nn.MultiheadAttention's out_proj, which the attention reads
+without calling it, before the attention's forward).
 """
 from __future__ import annotations
 
+import inspect
 import types
 
 import torch
@@ -22,11 +25,13 @@ import torch.nn as nn
 
 from ..planning.pieces import Piece
 from ..planning.residual import skip_path
+from ..planning.units import is_basic_block, is_bottleneck
 from .head_check import check_sliced_heads
 from .module_swaps import ModuleSwaps, twin
 from .owned_conv import OwnedConv2d, conv_can_be_owned
 from .owned_linear import OwnedLinear
 from .owned_slices import OwnedLayer, own_slices
+from .sliced_attention import SlicedMultiheadAttention
 from .slicing import slice_group, split_name
 from .width_keeping import keep_width
 
@@ -41,16 +46,25 @@ class SkippedBlock(nn.Module):
     block (planning/residual.py), its modules kept (shared) under their own names, so a
     shape-changing block stays maskable and its checkpoint names do not move.
 
-    x: the block's input [B, C, ...] (further arguments, e.g. masks, are ignored);
-    returns the skip output (same shape as the block's output).
+    x: the block's input [B, C, ...], positional or by the name of the block's forward's first
+    parameter (`hidden_states=`); further arguments (masks, rotary tables) are ignored.
+    Returns the skip output (same shape as the block's output).
     """
 
     def __init__(self, block: nn.Module, skip: str):
         super().__init__()
         self.skip = skip
         self._skip_forward = None
+        try:  # the name a parent passing the input by keyword uses
+            self._input_name = next(iter(inspect.signature(block.forward).parameters), None)
+        except (TypeError, ValueError):
+            self._input_name = None
         if skip != "identity":
             path = skip_path(block)
+            if not path.traced and not (is_basic_block(block) or is_bottleneck(block)):
+                raise ValueError(f"SkippedBlock: the plan says skip={skip!r} for a {type(block).__name__} that "
+                                 "torch.fx cannot trace, and no traced call of this module was made in this process: "
+                                 "plan this model with sample_input= (plan_subnetworks) before wrapping it")
             if path.traced and path.mode != skip:
                 raise ValueError(f"SkippedBlock: the plan says skip={skip!r} for a {type(block).__name__}, "
                                  f"but the block computes {path.mode!r}: the plan was made for another model")
@@ -73,9 +87,18 @@ class SkippedBlock(nn.Module):
                 return self.__dict__["_batch_first"]
             raise
 
-    def forward(self, x, *args, **kwargs):
-        """The skip path's output for x (the block's input; extra arguments ignored): x itself for
-        skip="identity", else shortcut(x) or relu(shortcut(x)), shaped as the block's output."""
+    def forward(self, *args, **kwargs):
+        """The skip path's output for x (the block's input, the first positional argument or the
+        keyword the block's forward names first; the rest ignored): x itself for skip="identity",
+        else shortcut(x) or relu(shortcut(x)), shaped as the block's output."""
+        if args:
+            x = args[0]
+        elif self._input_name in kwargs:
+            x = kwargs[self._input_name]
+        else:
+            raise TypeError(f"SkippedBlock: no input: the block's forward takes it as its first argument "
+                            f"{self._input_name!r}, which this call passes neither by position nor by name "
+                            f"(keywords {sorted(kwargs)})")
         if self._skip_forward is not None:
             return self._skip_forward(self, x)
         return x
@@ -138,7 +161,12 @@ def materialise_forward(model: nn.Module, plan, pieces: list[Piece], rank: int, 
     if scale == "inverse":
         for g, (a, b) in zip(plan.groups, plan.unit_ranges):
             factor = g.size / int(plan.owners[rank, a:b].sum())
-            handles += [model.get_submodule(c).register_forward_pre_hook(_InverseScale(factor)) for c in g.consumers]
+            for c in g.consumers:
+                attn = model.get_submodule(_reading_parent(model, c) or c)
+                if isinstance(attn, SlicedMultiheadAttention):  # it never calls out_proj: it scales its input
+                    attn.out_input_scale = factor
+                else:
+                    handles.append(model.get_submodule(c).register_forward_pre_hook(_InverseScale(factor)))
     return handles
 
 
@@ -161,6 +189,24 @@ class _AssembleOwned:
             if pos < full.shape[dim]:
                 parts.append(full.narrow(dim, pos, full.shape[dim] - pos))
             object.__setattr__(module, attr, torch.cat(parts, dim))
+
+
+class _AssembleChild:
+    """Pre-hook of a parent that reads a child's tensors without calling it (nn.MultiheadAttention
+    reads out_proj.weight): the child's owned slices are assembled before the parent runs."""
+
+    def __init__(self, child: nn.Module, assemble: _AssembleOwned):
+        self.child, self.assemble = child, assemble
+
+    def __call__(self, module, args):
+        self.assemble(self.child, args)
+
+
+def _reading_parent(model: nn.Module, path: str) -> str | None:
+    """The path of the module that reads the tensors of the module at `path` without calling it
+    (an nn.MultiheadAttention's out_proj), or None: it is called, and its pre-hook runs."""
+    parent, leaf = split_name(path)
+    return parent if leaf == "out_proj" and isinstance(model.get_submodule(parent), nn.MultiheadAttention) else None
 
 
 def _owned_layer(module: nn.Module, owned: dict, path: str, rank: int) -> OwnedLayer | None:
@@ -188,6 +234,7 @@ def prepare_backward(model: nn.Module, plan, pieces: list[Piece], rank: int, swa
         handles: the forward-pre-hook handles it installed (for SubnetDataParallel.close).
     """
     piece_params, value_refs, handles = {}, {}, []
+    read_by = []  # (parent path, layer, its assembly) of layers whose tensors their parent reads
     if plan.level == "block":
         for g, (a, _) in zip(plan.groups, plan.unit_ranges):
             if not bool(plan.owners[rank, a]):
@@ -205,7 +252,8 @@ def prepare_backward(model: nn.Module, plan, pieces: list[Piece], rank: int, swa
             dim, pieces_of_leaf = owned.setdefault(split_name(p.name)[1], (p.dim, []))
             if rank in p.owners:
                 pieces_of_leaf.append(p)
-        layer = _owned_layer(module, owned, path, rank)
+        reader = _reading_parent(model, path)
+        layer = _owned_layer(module, owned, path, rank) if reader is None else None
         generic = layer is None
         if generic:  # the user's module stays as it was; its twin holds the owned views (a root: in place)
             layer = twin(module) if path else module
@@ -221,6 +269,10 @@ def prepare_backward(model: nn.Module, plan, pieces: list[Piece], rank: int, swa
             owned[leaf] = (dim, runs)
         if layer is not module:
             swaps.swap(model, path, layer)
-        if generic:
+        if generic and reader is None:
             handles.append(layer.register_forward_pre_hook(_AssembleOwned(owned)))
+        elif generic:
+            read_by.append((reader, layer, _AssembleOwned(owned)))
+    for reader, layer, assemble in read_by:  # after every swap: the parent the model now runs
+        handles.append(model.get_submodule(reader).register_forward_pre_hook(_AssembleChild(layer, assemble)))
     return piece_params, value_refs, handles

@@ -45,7 +45,7 @@ from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME  # noqa: E402
 from ..engine.data_parallel import SubnetDataParallel  # noqa: E402
 from .subnetwork_ensemble import SubnetworkEnsemble  # noqa: E402
 from .loss_scaling import agreed_scaler  # noqa: E402
-from .options import SDPOptions  # noqa: E402
+from .options import SDPOptions, options_of  # noqa: E402
 
 
 # The Trainer's methods SDPTrainer takes over: the training loop as transformers 5 splits it.
@@ -78,6 +78,15 @@ class CausalLMEnsemble(SubnetworkEnsemble):
         return out
 
 
+def _dummy_input(model: nn.Module):
+    """transformers' example of the model's main input (`dummy_inputs`, e.g. input_ids [3, 5]), or None."""
+    try:
+        value = model.dummy_inputs.get(getattr(model, "main_input_name", "input_ids"))
+    except Exception:  # noqa: BLE001 - a model without them, or whose property fails: none
+        return None
+    return value if isinstance(value, torch.Tensor) else None
+
+
 def _inner(optimizer):
     """The torch optimizer inside accelerate's AcceleratedOptimizer."""
     return getattr(optimizer, "optimizer", optimizer)
@@ -91,7 +100,10 @@ class SDPTrainer(Trainer):
 
     Args:
         sdp: the SDPOptions (default SDPOptions(): coverage 0.5, block level, forward regime,
-            "full" evaluation).
+            "full" evaluation), or the same as a plain dict, as `fsdp_config` is passed:
+            {"coverage": 0.5, "level": "neuron", "regime": "backward"} (options.options_of).
+            Without a sample_input, a block torch.fx cannot trace is traced on the model's
+            `dummy_inputs`.
 
     Attributes:
         sdp_options: the SDPOptions. engine: the SubnetDataParallel while training, else None.
@@ -99,13 +111,12 @@ class SDPTrainer(Trainer):
 
     Raises:
         ValueError: DeepSpeed, FSDP or several GPUs in one process (DataParallel), which SDP
-            does not combine with; a ready plan whose world size is not the number of processes.
+            does not combine with; a ready plan whose world size is not the number of processes;
+            an unknown key or a bad value in `sdp`.
     """
 
-    def __init__(self, *args, sdp: SDPOptions | None = None, **kwargs):
-        if sdp is not None and not isinstance(sdp, SDPOptions):
-            raise TypeError(f"SDPTrainer: sdp must be an SDPOptions, got {type(sdp).__name__}")
-        self.sdp_options = sdp or SDPOptions()
+    def __init__(self, *args, sdp: SDPOptions | dict | None = None, **kwargs):
+        self.sdp_options = options_of(sdp, "SDPTrainer(sdp=...)")
         self._engine: SubnetDataParallel | None = None
         self.sdp_plan = None
         self._made_optimizer = False
@@ -130,7 +141,7 @@ class SDPTrainer(Trainer):
         if world > 1 and not dist.is_initialized():
             raise RuntimeError(f"SDPTrainer: TrainingArguments say {world} processes but torch.distributed is not "
                                "initialised; launch with torchrun or accelerate launch")
-        self.sdp_plan = self.sdp_options.plan_for(self.model, world)
+        self.sdp_plan = self.sdp_options.plan_for(self.model, world, example_input=_dummy_input(self.model))
         if self._made_optimizer:
             self.optimizer, self._made_optimizer = None, False  # it holds the previous wrapping's parameters
         self._engine = SubnetDataParallel(self.model, self.sdp_plan, config=self.sdp_options.config)
@@ -192,7 +203,8 @@ class SDPTrainer(Trainer):
         full = self._engine.full_model() if self._engine is not None else self.model
         if self.sdp_options.evaluation == "full":
             return full
-        plan = self.sdp_plan or self.sdp_options.plan_for(self.model, self.args.world_size)
+        plan = self.sdp_plan or self.sdp_options.plan_for(self.model, self.args.world_size,
+                                                          example_input=_dummy_input(self.model))
         return CausalLMEnsemble(full, plan, self.sdp_options.config)
 
     # ------------------------------------------------------------------ saving and resuming

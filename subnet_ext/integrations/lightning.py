@@ -55,10 +55,12 @@ class SDPStrategy(DDPStrategy):
     the Trainer call.
 
     Args:
-        options: an SDPOptions, or instead the same as keywords: coverage (0.5), level
-            ("block"), seed, plan, blocks, neuron_groups, sample_input, evaluation ("full"
-            or "ensemble": what validation, test and predict run), config, and the engine's
-            options (regime ("forward"), sync_every, bucket_cap_mb, timeout, ...).
+        options: an SDPOptions (or a plain dict of them), or instead the same as keywords:
+            coverage (0.5), level ("block"), seed, plan, blocks, neuron_groups, sample_input,
+            evaluation ("full" or "ensemble": what validation, test and predict run), config,
+            and the engine's options (regime ("forward"), sync_every, bucket_cap_mb, timeout,
+            ...). Without a sample_input, a block torch.fx cannot trace is traced on the
+            LightningModule's `example_input_array` (a tensor).
 
     Attributes:
         sdp_options: the SDPOptions. engine: the SubnetDataParallel while fitting, else None.
@@ -123,7 +125,7 @@ class SDPStrategy(DDPStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         module = self.lightning_module
-        self.plan = self.sdp_options.plan_for(module, self.world_size)
+        self.plan = self.sdp_options.plan_for(module, self.world_size, example_input=module.example_input_array)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self._closing_is_unsafe = False

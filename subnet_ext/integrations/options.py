@@ -2,6 +2,7 @@
 
     SDPOptions(coverage=0.5, level="neuron", config=SDPConfig(regime="forward"))
     options_from(None, {"coverage": 0.5, "level": "neuron", "regime": "forward"})   # the same
+    options_of({"coverage": 0.5, "level": "neuron", "regime": "forward"})          # a plain dict: the same
 
 Lightning's `SDPStrategy(...)` and Hugging Face's `SDPTrainer(..., sdp=...)` both take
 these options: how to plan (coverage, level, seed, the planner's declarations, or a ready
@@ -12,8 +13,11 @@ plan itself is made where the world size is known, when training starts (`plan_f
 from __future__ import annotations
 
 import dataclasses
+import difflib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import torch
 import torch.nn as nn
 
 from ..engine.config import OPTIONS as ENGINE_OPTIONS
@@ -85,22 +89,37 @@ class SDPOptions:
                              f"{world_size} (plan_subnetworks(model, world_size={world_size}, ...), or pass coverage= "
                              "and level= instead of plan=)")
 
-    def plan_for(self, model: nn.Module, world_size: int) -> SubnetPlan:
+    def plan_for(self, model: nn.Module, world_size: int, example_input=None) -> SubnetPlan:
         """The plan for `model` on `world_size` ranks: the ready plan (checked) or a new one.
-        Deterministic from the model's structure and these options, so every rank makes the same."""
+        Deterministic from the model's structure and these options, so every rank makes the same.
+
+        example_input: the framework's example of the model's input (Lightning's
+        example_input_array, transformers' dummy_inputs), a tensor: when planning without a
+        sample_input fails (a block torch.fx cannot trace), the planner traces the model's
+        call on it instead; the error is then the one planning with it raises."""
         self.check_world_size(world_size)
         if self.plan is not None:
             return self.plan
-        return plan_subnetworks(model, world_size, self.coverage, self.level, seed=self.seed, blocks=self.blocks,
-                                neuron_groups=self.neuron_groups, sample_input=self.sample_input)
+
+        def plan(sample):
+            return plan_subnetworks(model, world_size, self.coverage, self.level, seed=self.seed, blocks=self.blocks,
+                                    neuron_groups=self.neuron_groups, sample_input=sample)
+
+        if self.sample_input is not None or not isinstance(example_input, torch.Tensor):
+            return plan(self.sample_input)
+        try:
+            return plan(None)
+        except ValueError:
+            return plan(example_input)
 
 
 PLAN_OPTIONS = tuple(f.name for f in dataclasses.fields(SDPOptions) if f.name != "config")
 
 
-def options_from(options: SDPOptions | None, keywords: dict, where: str) -> SDPOptions:
-    """SDPOptions from `options` or from keywords: SDPOptions' fields and the engine's options
-    (SDPConfig's fields, e.g. regime=). TypeError for an unknown keyword, or both forms at once.
+def options_from(options: SDPOptions | Mapping | None, keywords: dict, where: str) -> SDPOptions:
+    """SDPOptions from `options` (an SDPOptions or a plain dict, options_of) or from keywords:
+    SDPOptions' fields and the engine's options (SDPConfig's fields, e.g. regime=). TypeError for
+    an unknown keyword, or both forms at once.
 
     Args:
         where: the caller's name, for the messages (e.g. "SDPStrategy").
@@ -109,9 +128,13 @@ def options_from(options: SDPOptions | None, keywords: dict, where: str) -> SDPO
     if unknown:
         raise TypeError(f"{where} got unexpected keyword argument(s) {unknown}; its options are {list(PLAN_OPTIONS)}, "
                         f"config=SDPConfig(...) or the engine's options {list(ENGINE_OPTIONS)}")
+    if isinstance(options, Mapping):
+        if keywords:
+            raise TypeError(f"{where} got both options= and the keywords {sorted(keywords)}; give them in one place")
+        return options_of(options, where)
     if options is not None:
         if not isinstance(options, SDPOptions):
-            raise TypeError(f"{where}: options must be an SDPOptions, got {type(options).__name__}")
+            raise TypeError(f"{where}: options must be an SDPOptions or a dict, got {type(options).__name__}")
         if keywords:
             raise TypeError(f"{where} got both options= and the keywords {sorted(keywords)}; give them in one place: "
                             "dataclasses.replace(options, ...)")
@@ -119,3 +142,64 @@ def options_from(options: SDPOptions | None, keywords: dict, where: str) -> SDPO
     engine = {k: v for k, v in keywords.items() if k in ENGINE_OPTIONS}
     config = config_from(keywords.get("config"), engine)
     return SDPOptions(config=config, **{k: v for k, v in keywords.items() if k in PLAN_OPTIONS})
+
+
+def _sample_from_json(value, where: str):
+    """A sample input written as JSON writes it, [shape, "int64"], as (shape, torch.int64)."""
+    if not (isinstance(value, (list, tuple)) and len(value) == 2 and isinstance(value[1], str)):
+        return value
+    dtype = getattr(torch, value[1].removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{where}: sample_input's dtype {value[1]!r} is not a torch dtype (e.g. \"int64\", "
+                         "\"float32\")")
+    return tuple(value[0]) if isinstance(value[0], list) else value[0], dtype
+
+
+def options_of(options, where: str) -> SDPOptions:
+    """SDPOptions from what an integration was given: None (the defaults), an SDPOptions, or a
+    plain dict of the same options, as Hugging Face users pass `fsdp_config` (and as JSON holds
+    it): SDPOptions' fields and the engine's options at the top level, or the engine's under
+    "config" (a dict or an SDPConfig); a sample_input of [shape, dtype name] is read as
+    (shape, dtype).
+
+        options_of({"coverage": 0.5, "level": "neuron", "regime": "backward"}, "SDPTrainer(sdp=...)")
+
+    Raises:
+        TypeError: another type than these.
+        ValueError: an unknown key (with the closest one), or a bad value (SDPOptions' and
+            SDPConfig's own checks, naming it).
+    """
+    if options is None:
+        return SDPOptions()
+    if isinstance(options, SDPOptions):
+        return options
+    if not isinstance(options, Mapping):
+        raise TypeError(f"{where}: the options are an SDPOptions or a dict of them, got {type(options).__name__}")
+    keys = list(PLAN_OPTIONS) + ["config"] + list(ENGINE_OPTIONS)
+    unknown = [k for k in options if k not in keys]
+    if unknown:
+        hints = {k: difflib.get_close_matches(str(k), keys, n=1) for k in unknown}
+        said = ", ".join(f"{k!r}" + (f" (did you mean {hints[k][0]!r}?)" if hints[k] else "") for k in unknown)
+        raise ValueError(f"{where}: unknown option(s) {said}; the options are {list(PLAN_OPTIONS)}, 'config', and "
+                         f"the engine's {list(ENGINE_OPTIONS)}")
+    entries = dict(options)
+    config = entries.get("config")
+    if isinstance(config, Mapping):  # the engine's options nested, as a JSON file would hold an SDPConfig
+        inner = [k for k in config if k not in ENGINE_OPTIONS]
+        if inner:
+            raise ValueError(f"{where}: unknown engine option(s) {inner} under 'config'; they are "
+                             f"{list(ENGINE_OPTIONS)}")
+        both = sorted(set(config) & set(entries))
+        if both:
+            raise ValueError(f"{where}: {both} given both at the top level and under 'config'; give each once")
+        entries.pop("config")
+        entries.update(config)
+    for name in ("blocks", "neuron_groups"):
+        if isinstance(entries.get(name), list):
+            entries[name] = tuple(tuple(d) if isinstance(d, list) else d for d in entries[name])
+    if "sample_input" in entries:
+        entries["sample_input"] = _sample_from_json(entries["sample_input"], where)
+    try:
+        return options_from(None, entries, where)
+    except (TypeError, ValueError) as e:  # a bad value of the dict (config=42, coverage=2): said where
+        raise ValueError(f"{where}: {e}") from None

@@ -42,7 +42,7 @@ def sample_meta_input(sample_input) -> torch.Tensor:
     return torch.empty(tuple(sample_input[0]), dtype=sample_input[1], device="meta")
 
 
-def _meta_copy(model: nn.Module) -> nn.Module:
+def meta_copy(model: nn.Module) -> nn.Module:
     """The model with every parameter and buffer replaced by a meta tensor (no data copied)."""
     if all(t.device.type == "meta" for t in list(model.parameters()) + list(model.buffers())):
         return model
@@ -83,7 +83,7 @@ def trace_unit_flops(model: nn.Module, groups, sample_input) -> tuple[np.ndarray
     would trip BatchNorm's training check); its training flags are restored.
     """
     x = sample_meta_input(sample_input)
-    meta = _meta_copy(model)
+    meta = meta_copy(model)
     terms, paths = _unit_modules(meta, groups)
     spent = defaultdict(float)
     starts = defaultdict(list)

@@ -37,6 +37,7 @@ from .aliases import find_aliases
 from .blocks import find_blocks
 from .plan_costs import FLOAT_DTYPES, dtype_bytes, plan_costs
 from .units import UnitGroup, check_no_chained, find_neuron_groups
+from .unsplit import no_units_error
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,8 @@ class SubnetPlan:
         # Filled at wrap time by the engine (forward regime, on this rank): head groups whose module
         # cannot run sliced and keeps its width instead, {module path: why}; summary() lists them.
         self.width_kept: dict = {}
+        # Filled by plan_subnetworks: modules left whole (shared) that could have been units, {path: why}.
+        self.unsplit: dict = {}
         self.units, self.unit_ranges = [], []
         for g in groups:
             start = len(self.units)
@@ -349,11 +352,11 @@ def plan_subnetworks(model: nn.Module, world_size: int, coverage: float, level: 
         ValueError: bad arguments, no unit at that level, or a plan that fails its checks.
     """
     check_arguments(world_size, coverage, level, seed)
-    groups = find_blocks(model, blocks) if level == "block" else find_neuron_groups(model, neuron_groups)
+    unsplit = {}  # {module path: why it is no unit}, for summary()
+    groups = find_blocks(model, blocks, sample_input, unsplit) if level == "block" else \
+        find_neuron_groups(model, neuron_groups, unsplit)
     if not groups:
-        hint = "blocks=[...]" if level == "block" else "neuron_groups=[(producer, consumer), ...]"
-        raise ValueError(f"{type(model).__name__} has no {level}-level unit the planner recognises; "
-                         f"declare them with {hint}")
+        raise no_units_error(model, level, unsplit)
     check_no_chained(groups)
     sd = model.state_dict(keep_vars=True)
     in_units = {m.name for g in groups for m in g.members} | {n for g in groups for n in g.params + g.buffers}
@@ -383,6 +386,8 @@ def plan_subnetworks(model: nn.Module, world_size: int, coverage: float, level: 
         random.Random(seed).shuffle(perm)
         owners = owners[torch.tensor(perm)]
     coverage = tuple(float(c) for c in coverage) if is_per_rank(coverage) else float(coverage)
-    return SubnetPlan(world_size=k, coverage=coverage, level=level, seed=seed, groups=groups, owners=owners,
+    plan = SubnetPlan(world_size=k, coverage=coverage, level=level, seed=seed, groups=groups, owners=owners,
                       shared=shared, tensor_shapes=shapes, tensor_dtypes=dtypes, param_names=param_names,
                       fingerprint=model_fingerprint(model), flops=flops, aliases=aliases)
+    plan.unsplit.update(unsplit)
+    return plan

@@ -3,11 +3,13 @@
 A rank holds the shared parameters plus the units it owns, so at coverage C it holds
 about C of the model only when the units carry most of the parameters. A plan whose
 shared parameters push a rank's held fraction more than HELD_MARGIN above C (a half-
-recognised block, a large embedding) says so, with the largest shared tensors.
+recognised block, a large embedding) says so, with the largest shared tensors; and every
+module the planner left whole that it could have split is named with why (unsplit.py).
 """
 from __future__ import annotations
 
 from .coverage import describe, is_per_rank
+from .unsplit import unsplit_lines
 
 HELD_MARGIN = 0.10  # a rank holding more than coverage + this fraction of the parameters is flagged
 
@@ -70,7 +72,8 @@ def plan_summary(plan) -> str:
                   f"rank graph by shared units {graph} (spectral gap {plan.spectral_gap:.3f}), "
                   f"imbalance bytes {imb['bytes']:.1%} flops {imb['flops']:.1%} ({counted_by}), "
                   f"{len(plan.owner_sets())} distinct owner set(s)"]
-    return "\n".join(lines + co_training_lines(plan) + _width_kept_lines(plan) + _held_warning(plan))
+    return "\n".join(lines + co_training_lines(plan) + unsplit_lines(getattr(plan, "unsplit", {}))
+                     + _width_kept_lines(plan) + _held_warning(plan))
 
 
 def co_training_lines(plan, schedule=None, steps: int = 10_000) -> list[str]:

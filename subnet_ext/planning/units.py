@@ -9,8 +9,9 @@ Neuron groups recognised without help: modules with fc1/fc2 Linears, gated MLPs
 (gate_proj/up_proj/down_proj), attention with q_proj/k_proj/v_proj/o_proj (a kv head with
 its query heads is one unit), fused-qkv attention (GPT-2's c_attn/c_proj Conv1D, nanoGPT's
 c_attn/c_proj Linear with `n_head` or `num_heads`, timm's qkv/proj Linear: one unit per
-head, three column/row blocks of the fused tensor), c_fc/c_proj MLPs (GPT-2's Conv1D,
-nanoGPT's Linear), nn.TransformerEncoderLayer (MLP neurons), ResNet BasicBlock/
+head, three column/row blocks of the fused tensor), nn.MultiheadAttention (one unit per head,
+torch_attention.py), c_fc/c_proj MLPs (GPT-2's Conv1D,
+nanoGPT's Linear), nn.TransformerEncoderLayer (MLP neurons; its attention stays whole), ResNet BasicBlock/
 Bottleneck-shaped blocks (inner channels; pre-activation blocks are refused), and plain
 nn.Sequential stacks of Linear layers with BatchNorm1d and element-wise layers between
 them (alternate hidden layers, so no weight sits between two masked groups; a
@@ -19,69 +20,18 @@ BatchNorm1d in a masked layer is sliced). Users declare the rest:
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-
 import torch
 import torch.nn as nn
 
 from .residual import is_pre_activation, pre_activation_error
+from .torch_attention import mha_group, mha_refusal
+from .unit_group import Member, UnitGroup, _join  # noqa: F401 - re-exported: the planner's names for them
+from .unsplit import neuron_level_unsplit
+
+ENCODER_ATTENTION = ("inside nn.TransformerEncoderLayer, whose fused fast path reads the attention's weights and head "
+                     "count itself: the layer's MLP neurons are its units, its heads stay whole")
 
 _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
-
-
-@dataclass(frozen=True)
-class Member:
-    """A group's slice spec of one tensor: unit j's slice of `name` is [offset + j*width,
-    offset + (j+1)*width) along `dim` (0: rows, 1: columns). A fused tensor lists one Member
-    per block of its layout (fused qkv: offsets 0, E and 2E), so a unit owns several column
-    or row blocks of the same tensor."""
-
-    name: str
-    dim: int
-    width: int
-    buffer: bool = False
-    offset: int = 0
-
-
-@dataclass
-class UnitGroup:
-    """One block (size 1, `params` listed whole) or one neuron group (`members` sliced).
-
-    kind: "block", "neuron", "head" or "channel".
-    path: module path, as in model.named_modules().
-    size: number of units in the group.
-    members: sliced parameters and buffers (neuron groups).
-    params / buffers: names held whole by the block unit (block groups).
-    consumers: module paths whose input is the group's width (for scale="inverse").
-    skip: how a skipped block computes its output: "identity", "shortcut" (its skip
-        path, no ReLU: pre-activation blocks) or "shortcut_relu" (relu of its skip path).
-    """
-
-    kind: str
-    path: str
-    size: int
-    members: list = field(default_factory=list)
-    params: list = field(default_factory=list)
-    buffers: list = field(default_factory=list)
-    consumers: list = field(default_factory=list)
-    skip: str = "identity"
-
-    def to_dict(self) -> dict:
-        """The group as a JSON-ready dict (members as dicts), as stored in the plan JSON."""
-        d = asdict(self)
-        d["members"] = [asdict(m) for m in self.members]
-        return d
-
-    @staticmethod
-    def from_dict(d: dict) -> "UnitGroup":
-        """The UnitGroup a to_dict() dict describes."""
-        d = dict(d)
-        d["members"] = [Member(**m) for m in d["members"]]
-        return UnitGroup(**d)
-
-
-def _join(*parts: str) -> str:
-    return ".".join(p for p in parts if p)
 
 
 def _entries(module: nn.Module, path: str, dim: int, width: int = 1, with_buffers: bool = True) -> list[Member]:
@@ -286,30 +236,42 @@ def _plain_stack_groups(seq: nn.Sequential, path: str, model) -> list[UnitGroup]
     return groups
 
 
-def find_neuron_groups(model: nn.Module, neuron_groups=None) -> list[UnitGroup]:
+def _declared_groups(model: nn.Module, neuron_groups) -> list[UnitGroup]:
+    """The groups the user declared (find_neuron_groups' neuron_groups), checked against the model."""
+    out = []
+    for decl in neuron_groups:
+        if len(decl) not in (2, 3):
+            raise ValueError(f"a neuron group is (producers, consumers[, norms]), got {decl!r}")
+        prods, cons = ([d] if isinstance(d, str) else list(d) for d in decl[:2])
+        norms = [] if len(decl) == 2 else ([decl[2]] if isinstance(decl[2], str) else list(decl[2]))
+        names = dict(model.named_modules())
+        for p in prods + cons + norms:
+            if p not in names:
+                raise ValueError(f"declared neuron group names {p!r}, which is not a submodule of the model")
+        out.append(_pair_group(model, "neuron", prods[0], prods, cons, norms))
+    return out
+
+
+def find_neuron_groups(model: nn.Module, neuron_groups=None, unsplit: dict | None = None) -> list[UnitGroup]:
     """Neuron/head/channel groups, in model order.
 
     neuron_groups: user declarations, each (producer_path, consumer_path) or
     (list of producers, list of consumers) or (producers, consumers, norms).
+    unsplit: filled with {module path: why} of the layers left whole (unsplit.py).
     """
     if neuron_groups is not None:
-        out = []
-        for decl in neuron_groups:
-            if len(decl) not in (2, 3):
-                raise ValueError(f"a neuron group is (producers, consumers[, norms]), got {decl!r}")
-            prods, cons = ([d] if isinstance(d, str) else list(d) for d in decl[:2])
-            norms = [] if len(decl) == 2 else ([decl[2]] if isinstance(decl[2], str) else list(decl[2]))
-            names = dict(model.named_modules())
-            for p in prods + cons + norms:
-                if p not in names:
-                    raise ValueError(f"declared neuron group names {p!r}, which is not a submodule of the model")
-            out.append(_pair_group(model, "neuron", prods[0], prods, cons, norms))
-        return out
-    groups, taken = [], set()
+        return _declared_groups(model, neuron_groups)
+    groups, taken, noted = [], set(), {}
     for path, m in model.named_modules():
         if path in taken:
             continue
-        if _is_attention(m):
+        if isinstance(m, nn.MultiheadAttention):
+            why = mha_refusal(m)
+            if why is not None:
+                noted[path] = why
+                continue
+            groups.append(mha_group(m, path))
+        elif _is_attention(m):
             groups.append(_attention_group(m, path))
         elif _is_gated_mlp(m):
             groups.append(_pair_group(model, "neuron", path,
@@ -318,6 +280,7 @@ def find_neuron_groups(model: nn.Module, neuron_groups=None) -> list[UnitGroup]:
             groups.append(_pair_group(model, "neuron", path, [_join(path, "fc1")], [_join(path, "fc2")]))
         elif isinstance(m, nn.TransformerEncoderLayer):
             groups.append(_pair_group(model, "neuron", path, [_join(path, "linear1")], [_join(path, "linear2")]))
+            noted[_join(path, "self_attn")] = ENCODER_ATTENTION
         elif (is_bottleneck(m) or is_basic_block(m)) and is_pre_activation(m):
             raise pre_activation_error(path)
         elif is_bottleneck(m):
@@ -337,6 +300,8 @@ def find_neuron_groups(model: nn.Module, neuron_groups=None) -> list[UnitGroup]:
         else:
             continue
         taken.update(p for p, _ in m.named_modules(prefix=path))
+    if unsplit is not None:
+        unsplit.update(neuron_level_unsplit(model, groups, noted))
     return groups
 
 

@@ -68,6 +68,66 @@ class LitResidual(pl.LightningModule):
         return torch.optim.SGD(params, lr=self.hparams.lr, momentum=0.9)
 
 
+VOCAB, WIDTH, HEADS, SEQ, LM_BATCH, LM_SEQUENCES = 32, 16, 2, 8, 2, 16
+
+
+class SelfAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mha = torch.nn.MultiheadAttention(WIDTH, HEADS, batch_first=True)
+
+    def forward(self, x, mask):
+        return self.mha(x, x, x, attn_mask=mask, need_weights=False)[0]
+
+
+class PreLNBlock(torch.nn.Module):
+    """Issue 40's block: the causal mask built in forward, attention by nn.MultiheadAttention."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.attn, self.ln2 = torch.nn.LayerNorm(WIDTH), SelfAttention(), torch.nn.LayerNorm(WIDTH)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(WIDTH, 4 * WIDTH), torch.nn.GELU(),
+                                       torch.nn.Linear(4 * WIDTH, WIDTH))
+
+    def forward(self, x):
+        T = x.shape[1]  # noqa: N806
+        mask = torch.triu(torch.ones(T, T, dtype=torch.bool, device=x.device), 1)
+        x = x + self.attn(self.ln1(x), mask)
+        return x + self.mlp(self.ln2(x))
+
+
+class LitLM(pl.LightningModule):
+    """A token model as written for DDP: a ModuleList of PreLNBlocks, no SDP declaration; Lightning's
+    example_input_array (which the model summary uses) is its only example of an input."""
+
+    def __init__(self, lr: float = 0.1):
+        super().__init__()
+        self.lr = lr
+        self.emb, self.pos = torch.nn.Embedding(VOCAB, WIDTH), torch.nn.Parameter(torch.randn(SEQ, WIDTH) * 0.1)
+        self.blocks = torch.nn.ModuleList([PreLNBlock() for _ in range(4)])
+        self.ln_f, self.head = torch.nn.LayerNorm(WIDTH), torch.nn.Linear(WIDTH, VOCAB)
+        self.example_input_array = torch.zeros(1, SEQ, dtype=torch.long)
+
+    def forward(self, ids):
+        x = self.emb(ids) + self.pos[:ids.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    def training_step(self, batch, batch_idx):
+        ids = batch[0]
+        loss = F.cross_entropy(self(ids[:, :-1]).reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+        self.log("train_loss", loss, sync_dist=True, on_step=True, on_epoch=False)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def lm_data():
+    return TensorDataset(torch.randint(0, VOCAB, (LM_SEQUENCES, SEQ + 1), generator=torch.Generator().manual_seed(5)))
+
+
 def data(n, seed):
     """Inputs and labels from a fixed random teacher, so a model can learn them."""
     g = torch.Generator().manual_seed(seed)
@@ -142,6 +202,30 @@ def fit(strategy, out, name, *, epochs=1, module=None, ckpt_path=None, callbacks
     return module
 
 
+def fit_lm(out):
+    """LitLM under SDPStrategy at block level, nothing declared: each rank's local losses and the mean logged."""
+    class Losses(Callback):
+        def __init__(self):
+            self.logged, self.local, self.batches = [], [], []
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            self.logged.append(trainer.callback_metrics["train_loss"].item())
+            self.local.append(outputs["loss"].item())
+            self.batches.append(batch[0].clone())  # Lightning's distributed sampler shuffles the training data
+
+    torch.manual_seed(0)
+    module, losses = LitLM(), Losses()
+    out["lm_initial"] = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    strategy = SDPStrategy(coverage=0.5, level="block")
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[losses])
+    trainer.fit(module, DataLoader(lm_data(), batch_size=LM_BATCH, shuffle=False))
+    out["lm"] = {"logged": losses.logged, "local": losses.local, "batches": losses.batches,
+                 "plan": strategy.plan.to_json(),
+                 "final": {k: v.detach().clone() for k, v in module.state_dict().items()}}
+
+
 def validate(strategy, module, devices=2):
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices, logger=False,
                          enable_progress_bar=False, enable_model_summary=False)
@@ -185,6 +269,8 @@ def main_runs(out_dir, out):
             module=LitResidual(optimizer_params="blocks"))
     except Exception as e:  # the optimizer guard, at the first step, on every rank
         out["stale_error"] = f"{type(e).__name__}: {e}"
+
+    fit_lm(out)
 
     torch.manual_seed(0)
     fp16 = LitResidual()

@@ -187,3 +187,41 @@ def test_fp16_loss_scaler_skips_on_every_rank(runs):
     for run in ranks:
         changed = [not torch.equal(run["stem"][i], run["stem"][i - 1]) for i in range(1, 8)]
         assert changed == [True, False] + [True] * 5, changed
+
+
+def test_lightning_module_of_pre_ln_blocks_plans_and_trains_at_block_level(runs):
+    """Issue 40's LightningModule: a ModuleList of pre-LN blocks whose causal mask is built in forward
+    (torch.fx cannot trace them), attention by nn.MultiheadAttention, no SDP declaration. SDPStrategy
+    plans its blocks (traced on the module's example_input_array) and trains them: every rank's loss
+    at every step, and the mean Lightning logs, equal a one-process emulation of the plan (each
+    rank's subnetwork on the full model, the owner-mean SGD step; subnet_reference.py), and the
+    trained model equals the emulation's."""
+    from lightning_runs import VOCAB, LitLM, lm_data
+    from subnet_reference import expected_sgd_step
+
+    ranks = [r["lm"] for r in runs["main"]]
+    plan = sx.SubnetPlan.from_json(ranks[0]["plan"])
+    assert [(g.kind, g.path, g.skip) for g in plan.groups] == [("block", f"blocks.{i}", "identity") for i in range(4)]
+    assert not plan.owners.all(0).any()  # at coverage 0.5 each rank skips blocks
+    seen = torch.cat([torch.cat(r["batches"]) for r in ranks])  # each rank its own share of the data, once
+    assert sorted(seen.tolist()) == sorted(lm_data().tensors[0].tolist())
+
+    def loss(module, k, step):
+        ids = ranks[k]["batches"][step]
+        return F.cross_entropy(module(ids[:, :-1]).reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+
+    model = LitLM()
+    model.load_state_dict(runs["main"][0]["lm_initial"])
+    assert len(ranks[0]["local"]) == 4
+    for step in range(4):
+        refs = [reference_subnetwork(model, plan, k) for k in range(2)]
+        with torch.no_grad():
+            want = [loss(refs[k], k, step).item() for k in range(2)]
+        for k in range(2):
+            assert abs(ranks[k]["local"][step] - want[k]) < 1e-5, (step, k, ranks[k]["local"][step], want[k])
+            assert abs(ranks[k]["logged"][step] - sum(want) / 2) < 1e-5, (step, k)
+        expected = expected_sgd_step(model, plan, refs, lambda m, k: loss(m, k, step), 0.1)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(expected[name])
+    assert _max_diff(ranks[0]["final"], model.state_dict()) < 1e-5

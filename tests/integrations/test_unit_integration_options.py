@@ -115,8 +115,77 @@ def test_hf_trainer_checks(tmp_path):
     from subnet_ext.integrations.huggingface import SDPTrainer
 
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
-    with pytest.raises(TypeError, match="sdp must be an SDPOptions"):
-        SDPTrainer(model=make_model(), args=args, sdp={"coverage": 0.5})
+    with pytest.raises(TypeError, match="the options are an SDPOptions or a dict of them, got str"):
+        SDPTrainer(model=make_model(), args=args, sdp="block")
     plan = sx.plan_subnetworks(make_model(), 2, 0.5, "block")
     with pytest.raises(ValueError, match=r"made for world size 2, but this run has 1 process"):
         SDPTrainer(model=make_model(), args=args, sdp=SDPOptions(plan=plan))
+
+
+def test_hf_trainer_takes_its_options_as_a_plain_dict(tmp_path):
+    """As Hugging Face users pass fsdp_config: a dict, checked key by key and value by value."""
+    from transformers import TrainingArguments
+
+    from subnet_ext.integrations.huggingface import SDPTrainer
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    trainer = SDPTrainer(model=make_model(), args=args, sdp={"coverage": 0.25, "level": "neuron", "regime": "backward",
+                                                             "evaluation": "ensemble"})
+    assert trainer.sdp_options == SDPOptions(coverage=0.25, level="neuron", evaluation="ensemble",
+                                             config=sx.SDPConfig(regime="backward"))
+    for bad, error, message in (({"coverge": 0.5}, ValueError, r"unknown option\(s\) 'coverge' \(did you mean "
+                                                                   r"'coverage'\?\); the options are \["),
+                                ({"coverage": 2}, ValueError, r"^SDPTrainer\(sdp=...\): coverage must be a number "
+                                                              r"in \(0, 1\], got 2"),
+                                ({"regime": "sideways"}, ValueError, "regime"),
+                                ({"config": 42}, ValueError, r"SDPTrainer\(sdp=...\): config must be an SDPConfig")):
+        with pytest.raises(error, match=message):
+            SDPTrainer(model=make_model(), args=args, sdp=bad)
+
+
+def test_options_as_json_holds_them():
+    import json
+
+    import torch
+
+    from subnet_ext.integrations.options import options_of
+
+    text = '{"level": "block", "sample_input": [[1, 8], "int64"], "config": {"regime": "backward", "sync_every": 2}}'
+    options = options_of(json.loads(text), "X")
+    assert options.sample_input == ((1, 8), torch.int64)
+    assert options.config == sx.SDPConfig(regime="backward", sync_every=2)
+    assert options_of({"blocks": ["blocks.0", "blocks.1"]}, "X").blocks == ("blocks.0", "blocks.1")
+    for bad, message in (({"config": {"regim": "forward"}}, r"unknown engine option\(s\) \['regim'\] under 'config'"),
+                         ({"regime": "forward", "config": {"regime": "backward"}}, "given both at the top level"),
+                         ({"sample_input": [[1, 8], "int65"]}, "sample_input's dtype 'int65' is not a torch dtype")):
+        with pytest.raises(ValueError, match=message):
+            options_of(bad, "X")
+    from subnet_ext.integrations.lightning import SDPStrategy
+
+    assert SDPStrategy({"coverage": 0.25}).sdp_options == SDPOptions(coverage=0.25)
+
+
+def test_an_untraceable_block_is_named_at_the_first_attempt():
+    """The integrations plan through SDPOptions.plan_for: a block torch.fx cannot trace is named with
+    the call it failed on the first time; with the framework's example input it is traced instead
+    (Lightning's example_input_array, transformers' dummy_inputs)."""
+    import torch
+
+    from subnet_ext.integrations.huggingface import _dummy_input
+    from user_blocks import build
+
+    options = SDPOptions(level="block")
+    with pytest.raises(ValueError) as refused:
+        options.plan_for(build("pre_ln_mha"), 2)
+    message = str(refused.value)
+    assert message.startswith("TokenLM has no block-level unit the planner could read. candidate block 'blocks.0' "
+                              "and 1 more (blocks.*) (PreLNBlock): torch.fx cannot trace it (TypeError: ones()"), message
+    assert "sample_input=" in message
+    example = torch.zeros(1, 8, dtype=torch.long)
+    assert [g.path for g in options.plan_for(build("pre_ln_mha"), 2, example_input=example).groups] == \
+        ["blocks.0", "blocks.1"]
+    opt = build("hf_opt")
+    with pytest.raises(ValueError, match=r"candidate block 'model.decoder.layers.0' and 1 more .* \(OPTDecoderLayer\)"):
+        options.plan_for(opt, 2)
+    planned = options.plan_for(opt, 2, example_input=_dummy_input(opt))
+    assert [g.path for g in planned.groups] == ["model.decoder.layers.0", "model.decoder.layers.1"]

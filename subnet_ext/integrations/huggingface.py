@@ -99,8 +99,8 @@ class SDPTrainer(Trainer):
     datasets, collator, callbacks, ...).
 
     Args:
-        sdp: the SDPOptions (default SDPOptions(): coverage 0.5, block level, forward regime,
-            "full" evaluation), or the same as a plain dict, as `fsdp_config` is passed:
+        sdp: the SDPOptions (level and coverage required: SDP has no default setting), or the same
+            as a plain dict, as `fsdp_config` is passed:
             {"coverage": 0.5, "level": "neuron", "regime": "backward"} (options.options_of).
             Without a sample_input, a block torch.fx cannot trace is traced on the model's
             `dummy_inputs`.

@@ -255,12 +255,12 @@ class SDPStrategy(DDPStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
         """Register "sdp" (processes started by re-running the script, as "ddp") and "sdp_spawn"
-        (started from the Trainer call, as "ddp_spawn"), each with SDPStrategy's defaults:
-        coverage 0.5, block level, forward regime, full-model evaluation."""
+        (started from the Trainer call, as "ddp_spawn"). SDP has no default setting (SDPOptions), so
+        these names raise an error saying to pass SDPStrategy(level=..., coverage=...) instead."""
         for name, start_method in (("sdp", "popen"), ("sdp_spawn", "spawn")):
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=f"Subnetwork Data Parallelism, start_method "
-                                           f"{start_method!r} (coverage 0.5, block level, forward regime)",
+                                           f"{start_method!r} (needs level and coverage: use SDPStrategy(...))",
                                            start_method=start_method)
 
 

@@ -37,8 +37,12 @@ class SDPOptions:
     """How an integration plans, wraps and evaluates. Frozen: `dataclasses.replace` makes a changed copy.
 
     Attributes:
-        coverage: C in (0, 1], the fraction of ranks that own each unit (plan_subnetworks').
-        level: "block" (residual blocks) or "neuron" (MLP neurons, attention heads, channels).
+        coverage: C in (0, 1], the fraction of ranks that own each unit (plan_subnetworks'), or one value
+            per rank. Required (unless `plan` is given): no setting is a default, since which one
+            trains well depends on the model and data (the study, docs/results.md, measures them on
+            Tiny Shakespeare).
+        level: "block" (residual blocks) or "neuron" (MLP neurons, attention heads, channels); required
+            as coverage is.
         seed: the planner's seed (relabels the ranks; 0 = identity).
         plan: a ready SubnetPlan instead of planning (coverage, level and seed then unused);
             its world size must equal the number of processes.
@@ -52,8 +56,8 @@ class SDPOptions:
         ValueError (when made) naming the option, its value and the values it takes.
     """
 
-    coverage: float = 0.5
-    level: str = "block"
+    coverage: float | tuple | None = None
+    level: str | None = None
     seed: int = 0
     plan: SubnetPlan | None = None
     blocks: tuple | None = None
@@ -63,9 +67,18 @@ class SDPOptions:
     config: SDPConfig = field(default_factory=SDPConfig)
 
     def __post_init__(self):
-        if not (_is_number(self.coverage) and 0 < self.coverage <= 1):
-            raise ValueError(f"coverage must be a number in (0, 1], got {self.coverage!r}")
-        if self.level not in LEVELS:
+        if self.plan is None and (self.coverage is None or self.level is None):
+            missing = " and ".join(n for n in ("level", "coverage") if getattr(self, n) is None)
+            raise ValueError(f"SDP options need {missing} (or a ready plan=): no SDP setting is a default, since which "
+                             "one trains well depends on the model and data (docs/results.md#the-study measures them "
+                             "on Tiny Shakespeare); e.g. level='neuron', coverage=0.5")
+        if self.coverage is not None:
+            values = self.coverage if isinstance(self.coverage, (list, tuple)) else [self.coverage]
+            if not values or not all(_is_number(c) and 0 < c <= 1 for c in values):
+                raise ValueError(f"coverage must be a number in (0, 1] (or one per rank), got {self.coverage!r}")
+            if isinstance(self.coverage, list):
+                object.__setattr__(self, "coverage", tuple(self.coverage))
+        if self.level is not None and self.level not in LEVELS:
             raise ValueError(f"level must be 'block' or 'neuron', got {self.level!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
@@ -156,7 +169,8 @@ def _sample_from_json(value, where: str):
 
 
 def options_of(options, where: str) -> SDPOptions:
-    """SDPOptions from what an integration was given: None (the defaults), an SDPOptions, or a
+    """SDPOptions from what an integration was given: None (refused: level and coverage are required), an
+    SDPOptions, or a
     plain dict of the same options, as Hugging Face users pass `fsdp_config` (and as JSON holds
     it): SDPOptions' fields and the engine's options at the top level, or the engine's under
     "config" (a dict or an SDPConfig); a sample_input of [shape, dtype name] is read as

@@ -142,7 +142,8 @@ def main(out_dir, out):
     train(SDPTrainer, out, "sdp_c1", arguments(out_dir, "sdp_c1"), coverage=1.0, level="neuron")
     clip_bf16 = dict(bf16=True, max_grad_norm=0.5)
     train(Trainer, out, "ddp_bf16", arguments(out_dir, "ddp_bf16", **clip_bf16))
-    train(SDPTrainer, out, "sdp_c1_bf16", arguments(out_dir, "sdp_c1_bf16", **clip_bf16), coverage=1.0)
+    train(SDPTrainer, out, "sdp_c1_bf16", arguments(out_dir, "sdp_c1_bf16", **clip_bf16), coverage=1.0,
+          level="block")
 
     half = dict(coverage=0.5, level="block", config=SDPConfig(regime="forward"))
     saving = dict(save_strategy="steps", save_steps=3, **clip_bf16)

@@ -239,7 +239,7 @@ def main_runs(out_dir, out):
     fit(SDPStrategy(coverage=1.0, level="neuron", regime="forward"), out, "sdp_c1_neuron_forward", **same)
     fit(SDPStrategy(coverage=1.0, level="block", regime="backward"), out, "sdp_c1_block_backward", **same)
     fit("ddp", out, "ddp_clip", gradient_clip_val=0.05, **same)
-    fit(SDPStrategy(coverage=1.0), out, "sdp_c1_clip", gradient_clip_val=0.05, **same)
+    fit(SDPStrategy(coverage=1.0, level="block"), out, "sdp_c1_clip", gradient_clip_val=0.05, **same)
     fit("ddp", out, "ddp_bf16", precision="bf16-mixed", **same)
     fit(SDPStrategy(coverage=1.0, level="neuron"), out, "sdp_c1_bf16", precision="bf16-mixed", **same)
 
@@ -250,11 +250,11 @@ def main_runs(out_dir, out):
     fit(SDPStrategy(coverage=0.5, level="block", regime="forward"), out, "sdp_c05_resumed", epochs=3,
         ckpt_path=os.path.join(ckpts, "epoch=0.ckpt"), gradient_clip_val=CLIP, **same)
     out["validate_ddp"] = validate("ddp", trained)  # the plain module given back, under DDP
-    out["validate_ensemble"] = validate(SDPStrategy(coverage=0.5, evaluation="ensemble"), trained)
-    tester = pl.Trainer(strategy=SDPStrategy(coverage=0.5), accelerator="cpu", devices=2, logger=False,
+    out["validate_ensemble"] = validate(SDPStrategy(coverage=0.5, level="block", evaluation="ensemble"), trained)
+    tester = pl.Trainer(strategy=SDPStrategy(coverage=0.5, level="block"), accelerator="cpu", devices=2, logger=False,
                         enable_progress_bar=False, enable_model_summary=False)
     out["test_full"] = tester.test(trained, loaders()[1], verbose=False)[0]["test_loss"]
-    predict = pl.Trainer(strategy=SDPStrategy(coverage=0.5, evaluation="ensemble"), accelerator="cpu", devices=2,
+    predict = pl.Trainer(strategy=SDPStrategy(coverage=0.5, level="block", evaluation="ensemble"), accelerator="cpu", devices=2,
                          logger=False, enable_progress_bar=False)
     out["predict_ensemble"] = torch.cat(predict.predict(trained, loaders()[1]))
 

@@ -46,7 +46,12 @@ def test_options_are_checked_when_made():
                          (dict(plan="plan.json"), "plan must be a SubnetPlan"),
                          (dict(config=sx.SDPConfig(shard_shared=True)), "shard_shared")):
         with pytest.raises(ValueError, match=message):
-            SDPOptions(**bad)
+            SDPOptions(**dict(dict(level="block", coverage=0.5), **bad))
+    for given, missing in ((dict(), "level and coverage"), (dict(level="block"), "coverage"),
+                           (dict(coverage=0.5), "level")):  # no setting is a default
+        with pytest.raises(ValueError, match=rf"need {missing} \(or a ready plan=\)"):
+            SDPOptions(**given)
+    assert SDPOptions(level="neuron", coverage=[1, 0.5]).coverage == (1, 0.5)
 
 
 def test_keywords_split_between_planning_and_the_engine():
@@ -56,7 +61,7 @@ def test_keywords_split_between_planning_and_the_engine():
     with pytest.raises(TypeError, match="unexpected keyword argument"):
         options_from(None, {"coverge": 0.5}, "X")
     with pytest.raises(TypeError, match="both options= and the keywords"):
-        options_from(SDPOptions(), {"coverage": 0.5}, "X")
+        options_from(SDPOptions(level="block", coverage=0.5), {"coverage": 0.5}, "X")
 
 
 def test_a_ready_plan_must_match_the_number_of_processes():
@@ -78,12 +83,14 @@ def _trainer(**kwargs):
 def test_the_sdp_strategy_name_and_its_defaults():
     from subnet_ext.integrations.lightning import SDPStrategy, SDPPrecision
 
-    trainer = _trainer(strategy="sdp")
+    for name in ("sdp", "sdp_spawn"):  # registered, but no setting is a default: the error says what to give
+        with pytest.raises(ValueError, match="need level and coverage"):
+            _trainer(strategy=name)
+    trainer = _trainer(strategy=SDPStrategy(level="block", coverage=0.5))
     assert type(trainer.strategy) is SDPStrategy and trainer.strategy._start_method == "popen"
     assert trainer.strategy.sdp_options == SDPOptions(coverage=0.5, level="block", evaluation="full")
     assert trainer.strategy.sdp_options.config.regime == "forward"
     assert isinstance(trainer.precision_plugin, SDPPrecision)
-    assert _trainer(strategy="sdp_spawn").strategy._start_method == "spawn"
 
 
 def test_lightning_precisions():
@@ -92,12 +99,12 @@ def test_lightning_precisions():
     from subnet_ext.integrations.lightning import SDPStrategy
     from subnet_ext.integrations.lightning_precision import SDPMixedPrecision
 
-    assert isinstance(_trainer(strategy=SDPStrategy(), precision="bf16-mixed").precision_plugin, SDPMixedPrecision)
-    fp16 = _trainer(strategy=SDPStrategy(), plugins=[MixedPrecision("16-mixed", "cpu")]).precision_plugin
+    assert isinstance(_trainer(strategy=SDPStrategy(level="block", coverage=0.5), precision="bf16-mixed").precision_plugin, SDPMixedPrecision)
+    fp16 = _trainer(strategy=SDPStrategy(level="block", coverage=0.5), plugins=[MixedPrecision("16-mixed", "cpu")]).precision_plugin
     assert isinstance(fp16, SDPMixedPrecision) and isinstance(fp16.scaler, sx.GradScaler)
     for precision in ("64-true", "bf16-true", "16-true"):
         with pytest.raises(ValueError, match=f"does not support precision '{precision}'"):
-            _trainer(strategy=SDPStrategy(), precision=precision)
+            _trainer(strategy=SDPStrategy(level="block", coverage=0.5), precision=precision)
 
 
 def test_lightning_devices_must_match_a_ready_plan():
@@ -135,10 +142,13 @@ def test_hf_trainer_takes_its_options_as_a_plain_dict(tmp_path):
                                              config=sx.SDPConfig(regime="backward"))
     for bad, error, message in (({"coverge": 0.5}, ValueError, r"unknown option\(s\) 'coverge' \(did you mean "
                                                                    r"'coverage'\?\); the options are \["),
-                                ({"coverage": 2}, ValueError, r"^SDPTrainer\(sdp=...\): coverage must be a number "
-                                                              r"in \(0, 1\], got 2"),
-                                ({"regime": "sideways"}, ValueError, "regime"),
-                                ({"config": 42}, ValueError, r"SDPTrainer\(sdp=...\): config must be an SDPConfig")):
+                                ({"coverage": 2, "level": "block"}, ValueError,
+                                 r"^SDPTrainer\(sdp=...\): coverage must be a number in \(0, 1\] \(or one per rank\), "
+                                 r"got 2"),
+                                ({"regime": "sideways", "level": "block", "coverage": 0.5}, ValueError, "regime"),
+                                ({"config": 42, "level": "block", "coverage": 0.5}, ValueError,
+                                 r"SDPTrainer\(sdp=...\): config must be an SDPConfig"),
+                                ({"regime": "forward"}, ValueError, r"need level and coverage")):
         with pytest.raises(error, match=message):
             SDPTrainer(model=make_model(), args=args, sdp=bad)
 
@@ -150,11 +160,13 @@ def test_options_as_json_holds_them():
 
     from subnet_ext.integrations.options import options_of
 
-    text = '{"level": "block", "sample_input": [[1, 8], "int64"], "config": {"regime": "backward", "sync_every": 2}}'
+    text = ('{"level": "block", "coverage": 0.5, "sample_input": [[1, 8], "int64"], '
+            '"config": {"regime": "backward", "sync_every": 2}}')
     options = options_of(json.loads(text), "X")
     assert options.sample_input == ((1, 8), torch.int64)
     assert options.config == sx.SDPConfig(regime="backward", sync_every=2)
-    assert options_of({"blocks": ["blocks.0", "blocks.1"]}, "X").blocks == ("blocks.0", "blocks.1")
+    assert options_of({"blocks": ["blocks.0", "blocks.1"], "level": "block", "coverage": 0.5}, "X").blocks == \
+        ("blocks.0", "blocks.1")
     for bad, message in (({"config": {"regim": "forward"}}, r"unknown engine option\(s\) \['regim'\] under 'config'"),
                          ({"regime": "forward", "config": {"regime": "backward"}}, "given both at the top level"),
                          ({"sample_input": [[1, 8], "int65"]}, "sample_input's dtype 'int65' is not a torch dtype")):
@@ -162,7 +174,7 @@ def test_options_as_json_holds_them():
             options_of(bad, "X")
     from subnet_ext.integrations.lightning import SDPStrategy
 
-    assert SDPStrategy({"coverage": 0.25}).sdp_options == SDPOptions(coverage=0.25)
+    assert SDPStrategy({"coverage": 0.25, "level": "block"}).sdp_options == SDPOptions(coverage=0.25, level="block")
 
 
 def test_an_untraceable_block_is_named_at_the_first_attempt():
@@ -174,7 +186,7 @@ def test_an_untraceable_block_is_named_at_the_first_attempt():
     from subnet_ext.integrations.huggingface import _dummy_input
     from user_blocks import build
 
-    options = SDPOptions(level="block")
+    options = SDPOptions(level="block", coverage=0.5)
     with pytest.raises(ValueError) as refused:
         options.plan_for(build("pre_ln_mha"), 2)
     message = str(refused.value)

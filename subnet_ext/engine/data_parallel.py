@@ -137,10 +137,12 @@ class SubnetDataParallel(DDPInterface, EngineParts, nn.Module):
         sync_norms = sync_norm_owners(model, plan, pieces) if config.regime == "forward" and self.world_size > 1 \
             and not self._simulated else {}
         if config.regime == "forward":
-            self._hooks = materialise_forward(model, plan, pieces, self.rank, config.scale, self._swaps)
+            self._hooks, self.width_kept = materialise_forward(model, plan, pieces, self.rank, config.scale,
+                                                               self._swaps)
             piece_params, value_refs = {}, {}
         else:
             piece_params, value_refs, self._hooks = prepare_backward(model, plan, pieces, self.rank, self._swaps)
+            self.width_kept = {}
         materialise_meta(model, self._device)  # what a change of assignment gave this rank (reassignment.py fills it)
         if config.shard_shared and self._shards is None:
             self._shards = SharedShards(model, plan, self._process_group, self._device)
@@ -226,6 +228,15 @@ class SubnetDataParallel(DDPInterface, EngineParts, nn.Module):
                     "(require_backward_grad_sync=False): gradients being accumulated would be lost. Step the optimizer "
                     "outside no_sync(), after the accumulation's last backward.")
             self._reassign(plan_at(self.base_plan, self.schedule, self._counter.steps))
+
+    def summary(self) -> str:
+        """The plan's summary, then what this rank's wrap adds: the head groups that keep their width here
+        (forward regime: their module cannot run sliced) and, at block level, which neighbouring blocks
+        the ownership schedule trains together."""
+        from ..planning.summary import co_training_lines, width_kept_lines
+
+        return "\n".join([self.plan.summary(), *width_kept_lines(self.width_kept)] +
+                         (co_training_lines(self.base_plan, self.schedule)[1:] if self.schedule.moves else []))
 
     def register_reassign_hook(self, fn, owner) -> None:
         """Call fn(owner, engine, old_plan) after each change of assignment, on every rank (it may communicate:

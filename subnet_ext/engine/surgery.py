@@ -135,12 +135,12 @@ class _InverseScale:
 
 
 def materialise_forward(model: nn.Module, plan, pieces: list[Piece], rank: int, scale: str,
-                        swaps: ModuleSwaps) -> list:
-    """Forward regime, in place. Returns the hook handles it installed (scale="inverse"). Sliced
-    layers and the attentions of sliced head groups are swapped for the engine's (slicing.py,
-    recorded in `swaps`). Head groups whose module cannot run sliced keep their width
-    (width_keeping.py: their projections are swapped too), recorded in plan.width_kept
-    ({module path: why}) for plan.summary()."""
+                        swaps: ModuleSwaps) -> tuple[list, dict]:
+    """Forward regime, in place. Returns (the hook handles it installed (scale="inverse"), the head
+    groups that keep their width on this rank, {module path: why}). Sliced layers and the attentions
+    of sliced head groups are swapped for the engine's (slicing.py, recorded in `swaps`). Head groups
+    whose module cannot run sliced keep their width (width_keeping.py: their projections are swapped
+    too); SubnetDataParallel.summary() lists them."""
     if plan.level == "block":
         for g, (a, _) in zip(plan.groups, plan.unit_ranges):
             if not bool(plan.owners[rank, a]):
@@ -148,10 +148,9 @@ def materialise_forward(model: nn.Module, plan, pieces: list[Piece], rank: int, 
                 parent = model.get_submodule(path)
                 setattr(parent, leaf, SkippedBlock(parent.get_submodule(leaf), g.skip))
         stand_in_for_skipped_first_layers(model)
-        return []
+        return [], {}
     # Before any surgery: a refusal leaves the model as it was. Groups that cannot run sliced keep their width.
     width_kept = check_sliced_heads(model, plan, pieces, rank)
-    plan.width_kept.update(width_kept)
     for g, (a, b) in zip(plan.groups, plan.unit_ranges):
         if g.path in width_kept:
             keep_width(model, "", g, pieces, rank, swaps)
@@ -167,7 +166,7 @@ def materialise_forward(model: nn.Module, plan, pieces: list[Piece], rank: int, 
                     attn.out_input_scale = factor
                 else:
                     handles.append(model.get_submodule(c).register_forward_pre_hook(_InverseScale(factor)))
-    return handles
+    return handles, width_kept
 
 
 class _AssembleOwned:

@@ -17,11 +17,13 @@ refused only when no shared parameter ties the ranks either.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
 import random
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 import torch
@@ -47,6 +49,9 @@ class Unit:
     kind: str
     group: str
     index: int | None
+
+
+_MAPPINGS = ("aliases", "tensor_shapes", "tensor_dtypes", "unsplit")  # held read-only by a plan
 
 
 def model_fingerprint(model: nn.Module) -> str:
@@ -75,44 +80,69 @@ class SubnetPlan:
 
     def __init__(self, *, world_size: int, coverage: float, level: str, seed: int, groups: list[UnitGroup],
                  owners: torch.Tensor, shared: list[str], tensor_shapes: dict, tensor_dtypes: dict, param_names,
-                 fingerprint: str, flops: dict | None = None, aliases: dict | None = None):
+                 fingerprint: str, flops: dict | None = None, aliases: dict | None = None, unsplit: dict | None = None):
         """A plan from its parts, checked (ValueError naming what is wrong): owners bool
         [world_size, units] over the units of `groups` in order; tensor_shapes / tensor_dtypes /
         param_names: the model's state-dict entries in model order (dtypes by name, "float32"),
         aliases included; flops: {"unit": [units], "shared", "source"} as traced, or None for
-        2 x parameters. plan_subnetworks and from_json build it; so may a caller with its own owners."""
-        self._param_names = list(param_names)
+        2 x parameters; unsplit: modules left whole that could have been units, {path: why}.
+        plan_subnetworks and from_json build it; so may a caller with its own owners. Frozen once made:
+        another assignment is another plan (with_owners)."""
+        self._param_names = tuple(param_names)
         self._flops = flops
         self.world_size, self.coverage, self.level, self.seed = world_size, coverage, level, seed
-        self.groups: list[UnitGroup] = groups
-        self.owners = owners
-        self.shared: list[str] = shared
+        self.groups: tuple = tuple(groups)
+        self._owners = owners.detach().clone()
+        self.shared: tuple = tuple(shared)
         # Tied weights: an alias is a state-dict name for the same tensor as an earlier name.
         # It gets no pieces, no owners and no communication; exports write it beside its
         # canonical name (state/tied_exports.py). tensor_shapes/dtypes list canonical names only;
         # the whole state dict's order stays in _entries (fingerprint, JSON).
-        self.aliases: dict = dict(aliases or {})
-        self._entries = [(k, tuple(v), tensor_dtypes[k]) for k, v in tensor_shapes.items()]
-        self.tensor_shapes: dict = {k: tuple(v) for k, v in tensor_shapes.items() if k not in self.aliases}
-        self.tensor_dtypes: dict = {k: v for k, v in tensor_dtypes.items() if k not in self.aliases}
+        self.aliases = MappingProxyType(dict(aliases or {}))
+        self._entries = tuple((k, tuple(v), tensor_dtypes[k]) for k, v in tensor_shapes.items())
+        self.tensor_shapes = MappingProxyType({k: tuple(v) for k, v in tensor_shapes.items() if k not in self.aliases})
+        self.tensor_dtypes = MappingProxyType({k: v for k, v in tensor_dtypes.items() if k not in self.aliases})
         self.fingerprint = fingerprint
-        # Filled at wrap time by the engine (forward regime, on this rank): head groups whose module
-        # cannot run sliced and keeps its width instead, {module path: why}; summary() lists them.
-        self.width_kept: dict = {}
-        # Filled by plan_subnetworks: modules left whole (shared) that could have been units, {path: why}.
-        self.unsplit: dict = {}
-        self.units, self.unit_ranges = [], []
-        for g in groups:
-            start = len(self.units)
+        self.unsplit = MappingProxyType(dict(unsplit or {}))  # modules left whole (shared): summary() lists them
+        units, ranges = [], []
+        for g in self.groups:
+            start = len(units)
             if g.kind == "block":
-                self.units.append(Unit("block", g.path, None))
+                units.append(Unit("block", g.path, None))
             else:
-                self.units += [Unit(g.kind, g.path, j) for j in range(g.size)]
-            self.unit_ranges.append((start, len(self.units)))
-        for name, value in vars(plan_costs(groups, self.unit_ranges, self.tensor_shapes, self.tensor_dtypes, shared,
-                                           self._param_names, flops)).items():
+                units += [Unit(g.kind, g.path, j) for j in range(g.size)]
+            ranges.append((start, len(units)))
+        self.units, self.unit_ranges = tuple(units), tuple(ranges)
+        for name, value in vars(plan_costs(self.groups, self.unit_ranges, self.tensor_shapes, self.tensor_dtypes,
+                                           self.shared, self._param_names, flops)).items():
+            if isinstance(value, torch.Tensor):
+                value = value.clone()
+                value.requires_grad_(False)
             setattr(self, name, value)  # unit_bytes, unit_flops, shared_bytes, ... (plan_costs.PlanCosts)
         self.check()
+        self._frozen = True
+
+    def __setattr__(self, name, value):
+        if self.__dict__.get("_frozen"):
+            raise AttributeError(f"SubnetPlan is immutable: it cannot set {name!r}; another assignment of owners is "
+                                 "another plan (plan.with_owners(owners)), another model another plan_subnetworks(...)")
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name):
+        raise AttributeError(f"SubnetPlan is immutable: it cannot delete {name!r}")
+
+    def __getstate__(self) -> dict:
+        """For pickle and copy: the read-only mappings as plain dicts."""
+        return {k: dict(v) if isinstance(v, MappingProxyType) else v for k, v in self.__dict__.items()}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update({k: MappingProxyType(v) if k in _MAPPINGS else v for k, v in state.items()})
+
+    @property
+    def owners(self) -> torch.Tensor:
+        """Bool [world_size, units]: owners[k, u] says whether rank k owns unit u (a copy: the plan never
+        changes)."""
+        return self._owners.clone()
 
     def with_owners(self, owners: torch.Tensor) -> "SubnetPlan":
         """The same plan with another owner matrix (bool [world_size, units]), checked: an assignment of
@@ -128,7 +158,8 @@ class SubnetPlan:
                           groups=self.groups, owners=owners.clone(), shared=self.shared,
                           tensor_shapes={k: v for k, v, _ in self._entries},
                           tensor_dtypes={k: d for k, _, d in self._entries}, param_names=self._param_names,
-                          fingerprint=self.fingerprint, flops=self._flops, aliases=self.aliases)
+                          fingerprint=self.fingerprint, flops=self._flops, aliases=dict(self.aliases),
+                          unsplit=dict(self.unsplit))
 
     # ----------------------------------------------------------------- costs
     def bytes_of(self, name: str, numel: int | None = None) -> int:
@@ -153,18 +184,18 @@ class SubnetPlan:
     @property
     def owner_count(self) -> torch.Tensor:
         """int64 [len(units)]: how many ranks own each unit."""
-        return self.owners.sum(0)
+        return self._owners.sum(0)
 
     @property
     def bytes_per_rank(self) -> torch.Tensor:
         """Parameter bytes each rank holds in the forward regime, float64 [world_size]."""
-        return self.shared_bytes + self.owners.double() @ self.unit_bytes
+        return self.shared_bytes + self._owners.double() @ self.unit_bytes
 
     @property
     def flops_per_rank(self) -> torch.Tensor:
         """FLOPs each rank computes per forward of the sample input, float64 [world_size]
         (shared FLOPs + those of the units it owns; units as flops_source says)."""
-        return self.shared_flops + self.owners.double() @ self.unit_flops
+        return self.shared_flops + self._owners.double() @ self.unit_flops
 
     def numel_of(self, name: str) -> int:
         """Elements of state-dict entry `name` in the original model."""
@@ -178,7 +209,7 @@ class SubnetPlan:
     @property
     def params_per_rank(self) -> torch.Tensor:
         """Parameters each rank holds (shared + owned units) in the forward regime, float64 [world_size]."""
-        return self.shared_param_count + self.owners.double() @ self.unit_params
+        return self.shared_param_count + self._owners.double() @ self.unit_params
 
     @property
     def held_fraction(self) -> torch.Tensor:
@@ -193,7 +224,7 @@ class SubnetPlan:
     def unit_owner_sets(self) -> list[tuple[int, ...]]:
         """[U] the owner set (ascending ranks) of each unit, in unit order."""
         ranks = list(range(self.world_size))
-        return [tuple(q for q, held in zip(ranks, column) if held) for column in self.owners.t().tolist()]
+        return [tuple(q for q, held in zip(ranks, column) if held) for column in self._owners.t().tolist()]
 
     def owner_sets(self) -> list[tuple[int, ...]]:
         """Distinct owner sets of the units, in one canonical order (sorted)."""
@@ -212,7 +243,7 @@ class SubnetPlan:
     # ----------------------------------------------------------------- checks
     def rank_graph(self) -> np.ndarray:
         """[K, K] float64: the number of units two ranks share (diagonal 0); shared parameters do not count."""
-        return rank_graph(self.owners)
+        return rank_graph(self._owners)
 
     def rank_components(self) -> list[list[int]]:
         """Connected components of the rank graph, each a sorted list of ranks, by smallest rank."""
@@ -231,16 +262,16 @@ class SubnetPlan:
 
     def check(self) -> None:
         """Raise ValueError naming what is wrong and where."""
-        k, u = self.owners.shape
-        if k != self.world_size or u != len(self.units) or self.owners.dtype != torch.bool:
+        k, u = self._owners.shape
+        if k != self.world_size or u != len(self.units) or self._owners.dtype != torch.bool:
             raise ValueError(f"plan owners must be a bool tensor [{self.world_size}, {len(self.units)}], "
-                             f"got {self.owners.dtype} {list(self.owners.shape)}")
+                             f"got {self._owners.dtype} {list(self._owners.shape)}")
         unowned = torch.nonzero(self.owner_count == 0).flatten().tolist()
         if unowned:
             raise ValueError(f"plan leaves {len(unowned)} unit(s) without an owner, first {self.units[unowned[0]]}")
         for g, (a, b) in zip(self.groups, self.unit_ranges):
             if g.kind != "block":
-                empty = torch.nonzero(~self.owners[:, a:b].any(1)).flatten().tolist()
+                empty = torch.nonzero(~self._owners[:, a:b].any(1)).flatten().tolist()
                 if empty:
                     raise ValueError(f"rank(s) {empty} own no unit of {g.kind} group {g.path!r} ({g.size} units, "
                                      f"world size {k}, coverage {describe(self.coverage)}): that layer would be empty. "
@@ -260,12 +291,12 @@ class SubnetPlan:
             "format": "subnet_ext.plan/1", "world_size": self.world_size,
             "coverage": list(self.coverage) if is_per_rank(self.coverage) else self.coverage,
             "level": self.level, "seed": self.seed, "fingerprint": self.fingerprint,
-            "groups": [g.to_dict() for g in self.groups], "shared": self.shared,
-            "owners": self.owners.to(torch.uint8).tolist(),
+            "groups": [g.to_dict() for g in self.groups], "shared": list(self.shared),
+            "owners": self._owners.to(torch.uint8).tolist(),
             "tensor_shapes": {k: list(v) for k, v, _ in self._entries},
             "tensor_dtypes": {k: d for k, _, d in self._entries}, "param_names": sorted(self._param_names),
             "flops": {"unit": self.unit_flops.tolist(), "shared": self.shared_flops, "source": self.flops_source},
-            "aliases": self.aliases,
+            "aliases": dict(self.aliases),
         })
 
     @staticmethod
@@ -362,9 +393,8 @@ def plan_subnetworks(model: nn.Module, world_size: int, coverage: float, level: 
     in_units = {m.name for g in groups for m in g.members} | {n for g in groups for n in g.params + g.buffers}
     aliases = find_aliases(model, groups)
     in_units -= set(aliases)  # a block's own tied pair: the canonical name carries it
-    for g in groups:
-        g.params = [n for n in g.params if n not in aliases]
-        g.buffers = [n for n in g.buffers if n not in aliases]
+    groups = [dataclasses.replace(g, params=[n for n in g.params if n not in aliases],
+                                  buffers=[n for n in g.buffers if n not in aliases]) for g in groups]
     shared = [n for n in sd if n not in in_units and n not in aliases]
     shapes = {n: tuple(t.shape) for n, t in sd.items()}
     dtypes = {n: str(t.dtype).replace("torch.", "") for n, t in sd.items()}
@@ -386,8 +416,6 @@ def plan_subnetworks(model: nn.Module, world_size: int, coverage: float, level: 
         random.Random(seed).shuffle(perm)
         owners = owners[torch.tensor(perm)]
     coverage = tuple(float(c) for c in coverage) if is_per_rank(coverage) else float(coverage)
-    plan = SubnetPlan(world_size=k, coverage=coverage, level=level, seed=seed, groups=groups, owners=owners,
+    return SubnetPlan(world_size=k, coverage=coverage, level=level, seed=seed, groups=groups, owners=owners,
                       shared=shared, tensor_shapes=shapes, tensor_dtypes=dtypes, param_names=param_names,
-                      fingerprint=model_fingerprint(model), flops=flops, aliases=aliases)
-    plan.unsplit.update(unsplit)
-    return plan
+                      fingerprint=model_fingerprint(model), flops=flops, aliases=aliases, unsplit=unsplit)

@@ -72,8 +72,7 @@ def plan_summary(plan) -> str:
                   f"rank graph by shared units {graph} (spectral gap {plan.spectral_gap:.3f}), "
                   f"imbalance bytes {imb['bytes']:.1%} flops {imb['flops']:.1%} ({counted_by}), "
                   f"{len(plan.owner_sets())} distinct owner set(s)"]
-    return "\n".join(lines + co_training_lines(plan) + unsplit_lines(getattr(plan, "unsplit", {}))
-                     + _width_kept_lines(plan) + _held_warning(plan))
+    return "\n".join(lines + co_training_lines(plan) + unsplit_lines(plan.unsplit) + _held_warning(plan))
 
 
 def co_training_lines(plan, schedule=None, steps: int = 10_000) -> list[str]:
@@ -100,11 +99,11 @@ def co_training_lines(plan, schedule=None, steps: int = 10_000) -> list[str]:
     return lines
 
 
-def _width_kept_lines(plan) -> list[str]:
-    """The head groups that keep their width on this rank (filled when the engine wraps)."""
-    if not getattr(plan, "width_kept", None):
+def width_kept_lines(width_kept: dict) -> list[str]:
+    """The head groups that keep their width on a rank ({module path: why}, what the engine's surgery found)."""
+    if not width_kept:
         return []
     lines = ["width kept (forward regime, this rank): these attentions cannot run with their heads sliced, so they "
              "keep their width: compact weights, owned heads' outputs scattered into the full width, unowned heads "
              "computed on zeros (their attention activations and FLOPs do not shrink):"]
-    return lines + [f"- {path}: {why}" for path, why in plan.width_kept.items()]
+    return lines + [f"- {path}: {why}" for path, why in width_kept.items()]

@@ -22,7 +22,7 @@ class Member:
     offset: int = 0
 
 
-@dataclass
+@dataclass(frozen=True)
 class UnitGroup:
     """One block (size 1, `params` listed whole) or one neuron group (`members` sliced).
 
@@ -34,6 +34,7 @@ class UnitGroup:
     consumers: module paths whose input is the group's width (for scale="inverse").
     skip: how a skipped block computes its output: "identity", "shortcut" (its skip
         path, no ReLU: pre-activation blocks) or "shortcut_relu" (relu of its skip path).
+    Frozen, its lists held as tuples: a plan's groups never change (dataclasses.replace makes another).
     """
 
     kind: str
@@ -45,9 +46,13 @@ class UnitGroup:
     consumers: list = field(default_factory=list)
     skip: str = "identity"
 
+    def __post_init__(self):
+        for name in ("members", "params", "buffers", "consumers"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+
     def to_dict(self) -> dict:
         """The group as a JSON-ready dict (members as dicts), as stored in the plan JSON."""
-        d = asdict(self)
+        d = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
         d["members"] = [asdict(m) for m in self.members]
         return d
 

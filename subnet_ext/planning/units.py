@@ -309,7 +309,7 @@ def check_no_chained(groups: list[UnitGroup]) -> None:
     """Refuse a parameter sliced by two groups: some of its elements would have no owner."""
     seen = {}
     for g in groups:
-        names = [m.name for m in g.members] + g.params + g.buffers
+        names = [m.name for m in g.members] + list(g.params) + list(g.buffers)
         for n in names:
             if n in seen and seen[n] != g.path:
                 raise ValueError(f"parameter {n!r} belongs to two unit groups ({seen[n]!r} and {g.path!r}); "

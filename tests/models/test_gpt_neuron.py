@@ -112,7 +112,7 @@ def test_attention_that_cannot_run_compact_keeps_its_width(attention, why):
     with torch.no_grad():
         want = model(idx)[0]
     sdp = sx.SubnetDataParallel(copy.deepcopy(model), plan, regime="forward", simulate_rank=0)
-    assert why in plan.width_kept["transformer.h.0.attn"], plan.width_kept
+    assert why in sdp.width_kept["transformer.h.0.attn"], sdp.width_kept
     assert sdp.module.transformer.h[0].attn.n_head == CFG.n_head  # the width is kept
     with torch.no_grad():
         torch.testing.assert_close(sdp(idx)[0], reference_subnetwork(model, plan, 0, consumer_widths=widths)(idx)[0],

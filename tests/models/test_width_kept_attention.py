@@ -150,8 +150,8 @@ def test_forward_regime_keeps_the_width_and_computes_the_owned_heads(rank):
     plan = plan_quietly(full, 2, 0.5)
     sdp = sx.SubnetDataParallel(copy.deepcopy(full), plan, regime="forward", simulate_rank=rank)
     paths = [f"h.{i}.attn" for i in range(LAYERS)]
-    assert sorted(plan.width_kept) == paths and all("raised RuntimeError" in why for why in plan.width_kept.values())
-    summary = plan.summary()
+    assert sorted(sdp.width_kept) == paths and all("raised RuntimeError" in why for why in sdp.width_kept.values())
+    summary = sdp.summary()
     assert "width kept" in summary and all(f"- {p}: " in summary for p in paths), summary
     heads = owned_heads(plan, rank, "h.0.attn")
     assert 0 < len(heads) < HEADS
@@ -226,7 +226,7 @@ def _worker(rank, world):
     out = {}
     model = tiny_gpt()
     sdp = sx.SubnetDataParallel(model, plan_quietly(model, world, 0.5))
-    out["width_kept"] = sorted(sdp.plan.width_kept)
+    out["width_kept"] = sorted(sdp.width_kept)
     losses = _train(sdp, torch.optim.AdamW(sdp.parameters(), lr=1e-2), rank, 20, fixed=True)
     out["losses"] = losses
     fresh = tiny_gpt(seed=9)
@@ -245,7 +245,7 @@ def _worker(rank, world):
     try:
         model = tiny_gpt()
         sdp = sx.SubnetDataParallel(model, plan_quietly(model, world, 1.0))
-        out["forced"] = sorted(sdp.plan.width_kept)
+        out["forced"] = sorted(sdp.width_kept)
         sdp_losses = _train(sdp, torch.optim.AdamW(sdp.parameters(), lr=1e-2), rank, 5)
         sdp_state = sdp.full_state_dict()
     finally:
@@ -276,7 +276,7 @@ def test_width_kept_attention_on_cuda():
     plan = plan_quietly(full, 2, 0.5)
     sdp = sx.SubnetDataParallel(copy.deepcopy(full), plan, regime="forward", simulate_rank=0)
     heads = owned_heads(plan, 0, "h.0.attn")
-    assert "h.0.attn" in plan.width_kept
+    assert "h.0.attn" in sdp.width_kept
     x = torch.randn(3, 7, EMBD, device="cuda", generator=torch.Generator("cuda").manual_seed(5))
     seen = []
     attn = sdp.module.h[0].attn

@@ -1,5 +1,5 @@
 """The block assignment option (plan_subnetworks(block_assignment=...)): "contiguous" gives each rank
-runs of neighbouring blocks, "rolling" (the default) stays what it was; block_pairs_covered counts
+runs of neighbouring blocks, "balanced" (the default, once called "rolling") stays what it was; block_pairs_covered counts
 what a plan trains together. Every count here is made by this file from the owner matrix."""
 import itertools
 
@@ -60,7 +60,7 @@ def test_sixteen_blocks_at_four_ranks_half_coverage():
         assert cover["per_rank"] == _held(owners)
 
 
-def test_the_planner_offers_it_and_the_default_is_rolling():
+def test_the_planner_offers_it_and_the_default_is_balanced():
     model = GPT(GPT_PRESETS["deep"])
     default = sx.plan_subnetworks(model, 4, 0.5, "block")
     contiguous = sx.plan_subnetworks(model, 4, 0.5, "block", block_assignment="contiguous")
@@ -69,5 +69,7 @@ def test_the_planner_offers_it_and_the_default_is_rolling():
     assert torch.equal(contiguous.owners, assign_blocks(ones, ones, 4, 2, "contiguous"))
     assert _count(contiguous.owners) == (15, 88)
     contiguous.check()  # full coverage, connected rank graph
-    with pytest.raises(ValueError, match="block_assignment must be one of rolling, contiguous"):
+    with pytest.raises(ValueError, match="block_assignment must be one of balanced, contiguous"):
         sx.plan_subnetworks(model, 4, 0.5, "block", block_assignment="pairs")
+    with pytest.raises(ValueError, match="now called 'balanced'"):  # the schedule is SDPConfig(assignment="rolling")
+        sx.plan_subnetworks(model, 4, 0.5, "block", block_assignment="rolling")

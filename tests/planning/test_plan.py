@@ -61,7 +61,7 @@ def test_transformer_encoder_and_plain_stack():
     stack = plain_mlp(8, 3, hidden=(16, 16, 16))
     groups = sx.plan_subnetworks(stack, 2, 0.5, "neuron").groups
     # hidden layers 0 and 2 are masked, layer 1 is not: no weight between two masked groups
-    assert [(g.path, g.consumers) for g in groups] == [("1", ["3"]), ("5", ["7"])]
+    assert [(g.path, g.consumers) for g in groups] == [("1", ("3",)), ("5", ("7",))]
 
 
 def test_declared_units_and_refusals():
@@ -193,7 +193,7 @@ def test_plan_cli_plans_the_gpt_by_its_blocks(capsys):
     out = capsys.readouterr().out
     assert f"{total / 1e6:.1f}M parameters" in out and "(traced one forward of [1, 64] int64)" in out
     for rank in range(4):
-        assert f"| {rank} | 2 | {held:,} |" in out, out
+        assert f"| {rank} | 0.5 | 2 | {held:,} |" in out, out
 
 
 def _parts(plan: SubnetPlan, owners: torch.Tensor) -> dict:
@@ -221,3 +221,30 @@ def test_a_plan_is_built_from_its_parts_by_its_public_constructor():
     unowned[:, 0] = False
     with pytest.raises(ValueError, match="without an owner"):
         SubnetPlan(**_parts(plan, unowned))
+
+
+def test_a_plan_cannot_change_once_made():
+    """The plan is a value (the seam ownership schedules build on): every assignment is another plan."""
+    import copy
+    import pickle
+
+    plan = sx.plan_subnetworks(ResidualMLP(8, 3, width=16, depth=4, hidden=32), 4, 0.5, "block")
+    before = plan.to_json()
+    with pytest.raises(AttributeError, match="immutable"):
+        plan.coverage = 1.0
+    with pytest.raises(AttributeError, match="immutable"):
+        plan.owners = plan.owners
+    owners = plan.owners
+    owners[:] = True  # a copy
+    with pytest.raises(TypeError):
+        plan.tensor_shapes["blocks.0.fc1.weight"] = (1,)  # a read-only mapping
+    with pytest.raises(Exception):  # dataclasses.FrozenInstanceError
+        plan.groups[0].size = 2
+    assert isinstance(plan.groups, tuple) and isinstance(plan.groups[0].params, tuple)
+    assert plan.to_json() == before
+    moved = plan.with_owners(plan.owners.flip(1))
+    assert moved is not plan and plan.to_json() == before and moved.owners.flip(1).equal(plan.owners)
+    for again in (copy.deepcopy(plan), pickle.loads(pickle.dumps(plan))):
+        assert again.to_json() == before
+        with pytest.raises(AttributeError, match="immutable"):
+            again.seed = 3

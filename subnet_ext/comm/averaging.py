@@ -33,6 +33,7 @@ replaces it; a parameter without a gradient gets a zero home.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Mapping
 
 import torch
@@ -45,6 +46,35 @@ from .communicator import Communicator, Quantity
 from .places import PiecePlace, area
 from .prepared import PreparedTables
 from .reduction import AllReduce, CommBucket, Reduction
+
+
+def set_grad(param: torch.Tensor, home: torch.Tensor) -> None:
+    """Make `home` the gradient of `param` (its `.grad`): the one place the engine assigns a gradient,
+    whether the averager adopts it at issue or the masked kernel wrote it into its bucket."""
+    param.grad = home
+
+
+class _ParamReady:
+    """A parameter's post-accumulate-grad hook: its gradient is final, tell the averager (held weakly: a
+    tensor's hooks live in C++, where the garbage collector cannot see the cycle parameter -> hook ->
+    averager -> places -> parameter, and an averager kept alive keeps its process groups)."""
+
+    def __init__(self, averager: "BucketedAverager"):
+        self.averager = weakref.ref(averager)
+
+    def __call__(self, param: torch.Tensor) -> None:
+        averager = self.averager()
+        if averager is not None:
+            averager.on_grad_ready(param=param)
+
+
+class PiecesReady(_ParamReady):
+    """What the masked kernel calls once it wrote a piece's gradient into its bucket (owned_linear.py)."""
+
+    def __call__(self, piece: Piece) -> None:
+        averager = self.averager()
+        if averager is not None:
+            averager.on_grad_ready(pieces=(piece,))
 
 
 class _BucketState:
@@ -134,6 +164,8 @@ class BucketedAverager:
     def __init__(self, buckets: list[Bucket], rank: int, communicator: Communicator, device: torch.device,
                  places: Mapping[Piece, PiecePlace], overlap: bool = True, reduction: Reduction | None = None):
         self.comm, self.device, self.overlap = communicator, device, overlap
+        self.enabled = True  # False inside no_sync(): backward passes only accumulate
+        self.listeners = []  # called at each report of a synchronising backward (the leader's buffers)
         self.reduction = reduction if reduction is not None else AllReduce(Quantity.GRADIENTS)
         self._parameter_reduction = AllReduce(Quantity.PARAMETERS)
         self.places = dict(places)
@@ -158,6 +190,11 @@ class BucketedAverager:
     def average_gradients(self) -> bool:
         """True when some bucket's gradients are averaged in each synchronising backward (period 1)."""
         return bool(self.gradient_states) or not self.states
+
+    def watch(self, params) -> list:
+        """Register the post-accumulate-grad hook of each of `params` (the engine's trainable parameters):
+        each reports its gradient straight to on_grad_ready. Returns the hooks' handles."""
+        return [p.register_post_accumulate_grad_hook(_ParamReady(self)) for p in params]
 
     def set_reduction(self, reduction: Reduction) -> None:
         """Average gradient buckets by `reduction` from the next backward on (a comm hook)."""
@@ -210,7 +247,7 @@ class BucketedAverager:
                 home.zero_()
             else:
                 home.copy_(grad)
-            param.grad = home
+            set_grad(param, home)
 
     def _where(self, piece: Piece, quantity: Quantity) -> tuple[torch.Tensor, tuple]:
         """(the tensor holding `piece`'s `quantity`, its rectangle): a parameter piece's gradient
@@ -262,12 +299,15 @@ class BucketedAverager:
         s = next((s for s in self.gradient_states if piece in s.in_place), None)
         if s is None or s.in_place[piece][1] != numel:
             return None
-        # Its readiness now comes from the kernel's call (on_grad_ready), not from the
-        # parameter's accumulate hook, which would report it a second time.
+        return s.ensure_buffer(self.device, self.comm).narrow(0, s.in_place[piece][0], numel)
+
+    def report_directly(self, piece: Piece) -> PiecesReady:
+        """From now on `piece`'s readiness comes from the kernel that writes it into its bucket (the returned
+        callable), not from its parameter's accumulate hook, which would report it a second time."""
         for pieces in self._pieces_of_param.values():
             if piece in pieces:
                 pieces.remove(piece)
-        return s.ensure_buffer(self.device, self.comm).narrow(0, s.in_place[piece][0], numel)
+        return PiecesReady(self)
 
     # ------------------------------------------------------------------ the backward
     def on_grad_ready(self, pieces=(), param=None) -> None:
@@ -275,6 +315,10 @@ class BucketedAverager:
         hook's report), are final for this backward: count them, and issue in order every
         bucket that is complete. The first report of a backward starts its _Pass and queues
         the end-of-backward callback on the autograd engine."""
+        if not self.enabled:
+            return  # inside no_sync(): accumulate only
+        for listener in self.listeners:
+            listener()
         if param is not None:
             pieces = self._pieces_of_param.get(id(param), ())
         if not self.gradient_states:

@@ -168,35 +168,20 @@ class SubnetDataParallel(DDPInterface, EngineParts, nn.Module):
         self._averager, self._refresh, self._leader_buffers = c.averager, c.refresh, c.leader_buffers
 
     def _install_hooks(self, model: nn.Module) -> None:
-        """Gradient-ready hooks of this assignment, and what meets a DDP script's habits: an optimizer
-        built before wrapping is refused at its first step (the global hooks: __init__), the wrapped model's
-        own state_dict() does not pass for the model's."""
-        me = weakref.ref(self)
+        """The averager's gradient hooks for this assignment (it is told directly when a gradient is
+        ready: comm/averaging.py), and what meets a DDP script's habits: an optimizer built before
+        wrapping is refused at its first step (the global hooks: __init__), the wrapped model's own
+        state_dict() does not pass for the model's."""
         # Backward regime: the masked kernel writes owned weight gradients into their buckets.
         self._direct_gradient_runs = 0
         if self.config.regime == "backward" and 1 in self.config.periods:
-            self._direct_gradient_runs = attach_direct_gradients(
-                model, self._layout.piece_params, self._averager.direct_gradient_view,
-                weak_call(me, lambda engine, piece: engine._gradients_ready(pieces=(piece,))))
-        # Hooks hold the engine weakly: a tensor's hooks are kept from C++, where Python's garbage
-        # collector cannot see the cycle parameter -> hook -> engine -> module -> parameter: strong
-        # references would keep every engine, and the process groups it holds, alive until the
-        # interpreter shuts down, when destroying a gloo group can abort the process.
-        for p in self._layout.trainable:
-            self._hooks.append(p.register_post_accumulate_grad_hook(
-                weak_call(me, SubnetDataParallel._gradients_ready)))
+            self._direct_gradient_runs = attach_direct_gradients(model, self._layout.piece_params, self._averager)
+        self._averager.enabled = self._phase is Phase.TRAINING
+        if self._leader_buffers is not None:  # buffer_sync="broadcast": after the averaging, when the backward ends
+            self._averager.listeners.append(self._leader_buffers.on_backward)
+        self._hooks += self._averager.watch(self._layout.trainable)
         self._optimizer_guard.attach({id(p) for p in self._layout.trainable}, self.rank, model)
         self._hooks += install_state_dict_guard(model, self.plan, self.rank, self._shards is not None)
-
-    # ------------------------------------------------------------------ the step
-    def _gradients_ready(self, param=None, pieces=()) -> None:
-        """A gradient hook's report (a parameter's, or pieces the masked kernel wrote): passed
-        to the averager in a backward that averages, dropped while accumulating (no_sync)."""
-        if self._phase is not Phase.TRAINING:
-            return
-        self._averager.on_grad_ready(pieces, param)
-        if self._leader_buffers is not None:  # buffer_sync="broadcast": after the averaging, when the backward ends
-            self._leader_buffers.on_backward()
 
     def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
         if not any(self._layout.is_trainable(p) for g in optimizer.param_groups for p in g["params"]):
@@ -500,6 +485,7 @@ class SubnetDataParallel(DDPInterface, EngineParts, nn.Module):
         for h in self._hooks + self._global_hooks:
             h.remove()
         self._hooks, self._global_hooks = [], []
+        self._averager.enabled = False
         self._call_ledger.close()
         self._swaps.undo()  # the user's own module objects, holding their own Parameters
         restore_structure(self.module, self._skeleton, self._device)

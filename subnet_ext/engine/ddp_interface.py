@@ -62,6 +62,7 @@ class DDPInterface:
         """Set whether the next backward passes average gradients (see the getter)."""
         self._check_open("require_backward_grad_sync")
         self._phase = Phase.TRAINING if value else Phase.ACCUMULATING
+        self._averager.enabled = bool(value)  # no_sync(): the averager's hooks only let gradients accumulate
         if self._shards is not None:  # FSDP2's reduce-scatter of the shared parameters follows it
             self._shards.set_gradient_sync(bool(value))
 

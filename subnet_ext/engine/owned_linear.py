@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from .. import ops
 from ..ops.autocast import autocast_dtype, cast_to
+from ..comm.averaging import set_grad
 from ..planning.pieces import Piece
 from .owned_slices import OwnedLayer
 
@@ -47,7 +48,7 @@ class DirectGradient:
         if x2.dtype != self.view.dtype and not mixed:  # any other pairing: the bucket's dtype
             g2, x2 = g2.to(self.view.dtype), x2.to(self.view.dtype)
         ops.masked_linear_grad_runs_(self.view, None, g2, x2, out_runs, in_runs, accumulate=grad is not None)
-        self.param.grad = self.view
+        set_grad(self.param, self.view)
         if last_use:
             self.ready(self.piece)
 
@@ -188,10 +189,10 @@ class OwnedLinear(OwnedLayer):
                f"owned_runs={runs}"
 
 
-def attach_direct_gradients(model: nn.Module, piece_params: dict, view_for, ready) -> int:
-    """Backward regime: route the owned weight runs of OwnedLinear layers straight into
-    their communication buckets. view_for(piece, numel) -> 1-D bucket view or None;
-    ready(piece) is called once the run's gradient is written. Returns how many runs."""
+def attach_direct_gradients(model: nn.Module, piece_params: dict, averager) -> int:
+    """Backward regime: route the owned weight runs of OwnedLinear layers straight into their
+    communication buckets (the averager's direct_gradient_view); each run, once written, reports
+    itself ready to the averager (report_directly). Returns how many runs."""
     by_param = {id(param): piece for piece, param in piece_params.items()}
     count = 0
     for module in model.modules():
@@ -200,8 +201,9 @@ def attach_direct_gradients(model: nn.Module, piece_params: dict, view_for, read
         direct = []
         for param in module.views("weight"):
             piece = by_param.get(id(param))
-            view = view_for(piece, param.numel()) if piece is not None else None
-            direct.append(DirectGradient(param, view, piece, ready) if view is not None else None)
+            view = averager.direct_gradient_view(piece, param.numel()) if piece is not None else None
+            direct.append(DirectGradient(param, view, piece, averager.report_directly(piece))
+                          if view is not None else None)
         module.direct = direct
         count += sum(d is not None for d in direct)
     return count

@@ -16,14 +16,13 @@ import fnmatch
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
 
 import torch
 
 from ..comm.collectives import as_timedelta
 from ..planning.buckets import DEFAULT_BUCKET_CAP_MB
 from ..planning.costs import DEFAULT_LATENCY_BYTES, STRATEGIES
-from ..planning.plan import SubnetPlan
+from ..planning.plan import ReadOnlyDict, SubnetPlan
 from ..planning.schedule import OwnershipSchedule, check_periods
 
 REGIMES = ("forward", "backward")
@@ -113,7 +112,7 @@ class SDPConfig:
             raise ValueError(f"regime must be 'forward' or 'backward', got {self.regime!r}")
         if not self.periodic and (not isinstance(self.sync_every, int) or isinstance(self.sync_every, bool)
                                   or self.sync_every < 1):
-            raise ValueError(f"sync_every must be an int >= 1 (or a period per unit group), got {self.sync_every!r}")
+            raise ValueError(f"sync_every must be an int >= 1, got {self.sync_every!r} (or a period per unit group)")
         if self.scale not in SCALES:
             raise ValueError(f"scale must be 'none' or 'inverse', got {self.scale!r}")
         if self.eval_forward not in EVAL_FORWARDS:
@@ -204,7 +203,7 @@ class SDPConfig:
                              f"level={plan.level!r} and regime={self.regime!r}")
 
 
-def _periods(mapping: Mapping) -> MappingProxyType:
+def _periods(mapping: Mapping) -> ReadOnlyDict:
     """sync_every's mapping, checked: str keys ('shared', 'units' or group path patterns) to ints >= 1; read-only."""
     out = {}
     for key, period in mapping.items():
@@ -215,7 +214,7 @@ def _periods(mapping: Mapping) -> MappingProxyType:
         out[key] = period
     if not out:
         raise ValueError("sync_every: an empty mapping; give an int, or periods such as {'shared': 1, 'units': 4}")
-    return MappingProxyType(out)
+    return ReadOnlyDict(out)
 
 
 def _wire_dtype(value) -> torch.dtype | None:

@@ -23,7 +23,6 @@ import json
 import math
 import random
 from dataclasses import dataclass
-from types import MappingProxyType
 
 import numpy as np
 import torch
@@ -51,7 +50,16 @@ class Unit:
     index: int | None
 
 
-_MAPPINGS = ("aliases", "tensor_shapes", "tensor_dtypes", "unsplit")  # held read-only by a plan
+class ReadOnlyDict(dict):
+    """A dict that refuses to change (TypeError), pickled and copied as one: what a frozen value hands out."""
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError(f"this {type(self).__name__} is read-only (a plan's or a config's, which never change)")
+
+    __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = __ior__ = _refuse
+
+    def __reduce__(self):
+        return type(self), (dict(self),)
 
 
 def model_fingerprint(model: nn.Module) -> str:
@@ -98,12 +106,12 @@ class SubnetPlan:
         # It gets no pieces, no owners and no communication; exports write it beside its
         # canonical name (state/tied_exports.py). tensor_shapes/dtypes list canonical names only;
         # the whole state dict's order stays in _entries (fingerprint, JSON).
-        self.aliases = MappingProxyType(dict(aliases or {}))
+        self.aliases = ReadOnlyDict(dict(aliases or {}))
         self._entries = tuple((k, tuple(v), tensor_dtypes[k]) for k, v in tensor_shapes.items())
-        self.tensor_shapes = MappingProxyType({k: tuple(v) for k, v in tensor_shapes.items() if k not in self.aliases})
-        self.tensor_dtypes = MappingProxyType({k: v for k, v in tensor_dtypes.items() if k not in self.aliases})
+        self.tensor_shapes = ReadOnlyDict({k: tuple(v) for k, v in tensor_shapes.items() if k not in self.aliases})
+        self.tensor_dtypes = ReadOnlyDict({k: v for k, v in tensor_dtypes.items() if k not in self.aliases})
         self.fingerprint = fingerprint
-        self.unsplit = MappingProxyType(dict(unsplit or {}))  # modules left whole (shared): summary() lists them
+        self.unsplit = ReadOnlyDict(dict(unsplit or {}))  # modules left whole (shared): summary() lists them
         units, ranges = [], []
         for g in self.groups:
             start = len(units)
@@ -131,12 +139,8 @@ class SubnetPlan:
     def __delattr__(self, name):
         raise AttributeError(f"SubnetPlan is immutable: it cannot delete {name!r}")
 
-    def __getstate__(self) -> dict:
-        """For pickle and copy: the read-only mappings as plain dicts."""
-        return {k: dict(v) if isinstance(v, MappingProxyType) else v for k, v in self.__dict__.items()}
-
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update({k: MappingProxyType(v) if k in _MAPPINGS else v for k, v in state.items()})
+        self.__dict__.update(state)  # pickle and copy restore the frozen plan as it was
 
     @property
     def owners(self) -> torch.Tensor:

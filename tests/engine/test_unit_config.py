@@ -108,4 +108,6 @@ def test_public_surface_is_the_documented_one():
         "no_sync", "require_backward_grad_sync", "after_step", "full_state_dict", "local_full_state_dict",
         "load_full_state_dict", "full_optimizer_state_dict", "load_full_optimizer_state_dict",
         "verify_consistency", "gradients_finite", "clip_grad_norm_", "full_model", "evaluate", "comm_stats",
-        "memory_report", "predicted_model_state_bytes", "close", "remove_hooks", "register_comm_hook"])
+        "memory_report", "predicted_model_state_bytes", "close", "remove_hooks", "register_comm_hook",
+        "base_plan", "schedule", "steps", "set_step", "register_reassign_hook", "refreshes",  # ownership in time
+        "summary", "width_kept"])

@@ -283,16 +283,19 @@ class SubnetDataParallel(DDPInterface, EngineParts, nn.Module):
         return guard.gradients_finite(self._layout.trainable, self._process_group, self.config.timeout)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
-                        foreach: bool | None = None) -> torch.Tensor:
+                        foreach: bool | None = None, nonfinite_check: bool = False) -> torch.Tensor:
         """Clip gradients by the norm of the whole model's synchronised gradient (as FSDP's
         method); returns that norm (0-d), the same on every rank. Collective; call it after
         backward, before optimizer.step(). With sync_every > 1 it clips each rank by its own
-        gradients' norm (local SGD). See clipping.py."""
+        gradients' norm (local SGD). nonfinite_check: the norm is also inf or NaN when any
+        gradient any rank holds is (its finiteness is then the agreed skip decision:
+        NonFiniteGuard.check_norm). See clipping.py."""
         layout, _ = self.state_access("clip_grad_norm_")
         communicate = self.world_size > 1 and not self._simulated and dist.is_initialized()
         return clipping.clip_grad_norm_(layout, max_norm, norm_type, error_if_nonfinite, foreach,
                                         local_sgd=self.config.sync_every > 1, communicate=communicate,
-                                        group=self._comm.world_group, timeout=self.config.timeout)
+                                        group=self._comm.world_group, timeout=self.config.timeout,
+                                        nonfinite_check=nonfinite_check)
 
     @collective_method
     def full_model(self, residual_scale=None) -> nn.Module:

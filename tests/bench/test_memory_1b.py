@@ -80,3 +80,25 @@ def test_a_time_limit_leaves_the_rest_out_and_says_so(tmp_path):
     proc = run(tmp_path, "--time-limit", "0", "--rows", "ddp", "--out", str(out))
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert "- not run: ddp (time limit)" in out.read_text() and "0 of 2 rows ran" in proc.stdout
+
+
+def _script():
+    sys.path.insert(0, str(ROOT / "bench"))
+    import memory_1b
+
+    return memory_1b
+
+
+def test_the_docs_show_the_gpu_results_file_or_say_it_has_not_run(tmp_path):
+    """docs/results.md's block is what the script makes of bench/results/h200/memory-1b.md
+    (stale docs fail here); given a results file, the block holds its table verbatim."""
+    memory_1b = _script()
+    doc = (ROOT / "docs" / "results.md").read_text()
+    assert memory_1b.docs_block() in doc, "docs/results.md is stale: run python bench/memory_1b.py --write-docs"
+    if not os.path.exists(memory_1b.RESULTS):
+        assert "Not run yet: it needs a GPU" in memory_1b.docs_block()
+    fake = tmp_path / "memory-1b.md"
+    fake.write_text("# Peak memory\n\nCommand: `x`\n\n| configuration | peak GiB |\n|---|---:|\n| ddp | 29.500 |\n")
+    block = memory_1b.docs_block(str(fake))
+    assert "| ddp | 29.500 |" in block and "# Peak memory" not in block and "Not run yet" not in block
+    assert "-28% peak memory per device at coverage 0.5" in block

@@ -201,6 +201,8 @@ def measure(setup: Setup, row: Row) -> dict:
     from subnet_ext.engine.memory_meter import StepMemoryMeter
 
     opts, device = setup.opts, setup.device
+    # What the rows before left allocated (0 unless one leaked): it would count in this row's peak.
+    before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     wrapped, optimizer = build(setup, row)
     source = SyntheticTokens(setup.cfg.vocab_size, opts.seq_len, seed=opts.seed)
     gen = torch.Generator().manual_seed(opts.rank)
@@ -233,7 +235,7 @@ def measure(setup: Setup, row: Row) -> dict:
     result = meter.result()
     del wrapped, optimizer, x, y
     return {"step_s": statistics.median(times), "peak": peak if peak is not None else result["total"],
-            "meter": result}
+            "meter": result, "allocated_before": before}
 
 
 def _free(device):

@@ -287,9 +287,8 @@ class SubnetDataParallel(DDPInterface, EngineParts, nn.Module):
         """Clip gradients by the norm of the whole model's synchronised gradient (as FSDP's
         method); returns that norm (0-d), the same on every rank. Collective; call it after
         backward, before optimizer.step(). With sync_every > 1 it clips each rank by its own
-        gradients' norm (local SGD). nonfinite_check: the norm is also inf or NaN when any
-        gradient any rank holds is (its finiteness is then the agreed skip decision:
-        NonFiniteGuard.check_norm). See clipping.py."""
+        gradients' norm (local SGD). nonfinite_check: the norm is also inf or NaN when any rank
+        holds such a gradient (NonFiniteGuard.check_norm's agreed skip). See clipping.py."""
         layout, _ = self.state_access("clip_grad_norm_")
         communicate = self.world_size > 1 and not self._simulated and dist.is_initialized()
         return clipping.clip_grad_norm_(layout, max_norm, norm_type, error_if_nonfinite, foreach,

@@ -188,8 +188,8 @@ class NonFiniteGuard:
 
     def check_norm(self, norm: torch.Tensor, step: int) -> torch.Tensor:
         """The agreed flag of this step read off `norm`, a gradient norm that is the same on
-        every rank and non-finite when any rank's gradient is (SubnetDataParallel.clip_grad_norm_
-        with nonfinite_check=True and sync_every = 1; torch's clip_grad_norm_ over DDP's or
+        every rank and non-finite when any rank's gradient is (`SubnetDataParallel.clip_grad_norm_`
+        with nonfinite_check=True and sync_every = 1; torch's `clip_grad_norm_` over DDP's or
         FSDP2's gradients): 1.0 when it is inf or NaN.
         Kept as pending for `step`, as `check` keeps its flag; neither a pass over the gradients
         nor a collective (the module docstring says why it is the same decision)."""

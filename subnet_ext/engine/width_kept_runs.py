@@ -63,6 +63,7 @@ class WidthKeptRuns(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, runs, width):
+        """y from the runs' GEMMs (class docstring); under autocast in autocast's dtype."""
         dtype = autocast_dtype(weight)
         x, weight, bias = cast_to(x, dtype), cast_to(weight, dtype), cast_to(bias, dtype)
         x2 = x.reshape(-1, x.shape[-1])
@@ -93,6 +94,7 @@ class WidthKeptRuns(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
+        """(grad_x [..., in or width], grad_weight (compact), grad_bias, None, None) for grad_y [..., width or out]."""
         x2, weight = ctx.saved_tensors
         runs, width = ctx.runs, ctx.width
         g2 = grad_y.reshape(-1, grad_y.shape[-1]).contiguous()

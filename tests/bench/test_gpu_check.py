@@ -99,7 +99,7 @@ def test_all_dry_run_runs_every_phase_within_its_limits(dry_run_all):
     assert "| sdp block/forward C=0.5 | " in e2e["e2e/memory-1b.md"] and "e2e/memory-1b.json" in e2e
     assert re.search(r"13 of 13 rows ran", rows["memory-1b"][3]), rows["memory-1b"]
     # The per-test limit: pytest's own faulthandler_timeout here (no pytest-timeout installed).
-    assert "-o faulthandler_timeout=60" in tests["tests/tests-cuda.log"].split("\n")[2]
+    assert "-o faulthandler_timeout=90" in tests["tests/tests-cuda.log"].split("\n")[2]
     assert "PIP_DISABLE_PIP_VERSION_CHECK=1" in members(out / "build.tar.gz")["build/build-info.log"]
     assert re.search(r"Finished: exit 0 after \d+ s\.", summary)
     assert seconds < 600, seconds
@@ -156,7 +156,7 @@ def test_per_test_limit_uses_pytest_timeout_where_installed(tmp_path, xdist, met
     code, rows, output = run_check(tmp_path / "out", "tests", inject="tests-cuda:0", path=str(stubs))
     assert code == 0, output
     command = members(tmp_path / "out" / "tests.tar.gz")["tests/tests-cuda.log"].split("\n")[2]
-    assert f"--timeout=60 --timeout-method={method}" in command and "faulthandler_timeout" not in command
+    assert f"--timeout=90 --timeout-method={method}" in command and "faulthandler_timeout" not in command
     assert ("-n 4" in command) == xdist
 
 

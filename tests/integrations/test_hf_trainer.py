@@ -147,7 +147,7 @@ def test_fp16_loss_scaler_skips_on_every_rank(runs):
 def test_one_gpu_process_equals_the_plain_trainer(tmp_path):
     """Coverage 1 in one process on the GPU: the plain Trainer's losses, gradient norms and final
     weights, fp32 and bf16 with clipping (GEMMs on the GPU may add in other orders)."""
-    run_ranks("hf_runs.py", [tmp_path, "gpu"], world_size=1, timeout=240, log_dir=tmp_path)
+    run_ranks("hf_runs.py", [tmp_path, "gpu"], world_size=1, timeout=85, log_dir=tmp_path)
     run = load_ranks(tmp_path, "gpu", 1)[0]
     assert run["device"].startswith("cuda"), run["device"]
     for sdp, plain, rel in (("sdp_c1", "ddp", 1e-5), ("sdp_c1_bf16", "ddp_bf16", 2e-2)):

@@ -195,7 +195,7 @@ def test_fp16_loss_scaler_skips_on_every_rank(runs):
 def test_one_gpu_under_nccl_equals_ddp(tmp_path):
     """Coverage 1 on one GPU computes DDP's updates: every logged loss and the final weights, fp32
     with and without clipping, and bf16-mixed (GEMMs on the GPU may add in other orders)."""
-    check_done(run_script("lightning_runs.py", [tmp_path, "gpu"], timeout=240), "the 1-GPU Lightning runs")
+    check_done(run_script("lightning_runs.py", [tmp_path, "gpu"], timeout=85), "the 1-GPU Lightning runs")
     run = load_ranks(tmp_path, "gpu", 1)[0]
     assert run["backend"] == "nccl" and run["device"].startswith("cuda"), (run["backend"], run["device"])
     for sdp, ddp, rel in (("sdp_neuron_forward", "ddp", 1e-5), ("sdp_block_backward_clip", "ddp_clip", 1e-5),

@@ -8,17 +8,24 @@
 # Phases, in this order (`all` runs the four):
 #   build  the package for sm_90 only (pip --no-build-isolation into $PY's torch), what it was
 #          built with, and the benchmark binaries (bench/build.sh)
-#   tests  every test marked `cuda` (pytest -m cuda, with --durations and a junit file)
+#   tests  every test marked `cuda` (pytest -m cuda, with --durations and a junit file), each
+#          under a per-test limit of TEST_LIMIT seconds (pytest-timeout, which the GPU image
+#          has; where it is missing, faulthandler_timeout dumps the stacks of a test that
+#          overruns and the step's own limit ends the run)
 #   bench  the kernel microbenchmarks (bench/bin/*_cuda_bench)
-#   e2e    a one-rank NCCL training run (subnet-train) and bench/e2e.py --device cuda (2 rounds)
+#   e2e    a one-rank NCCL training run (subnet-train), bench/e2e.py --device cuda (2 rounds),
+#          and bench/memory_1b.py (one rank of K = 8 training the 1b LLaMA: peak memory and
+#          step time of DDP, FSDP2 and SDP beside the memory model's predictions)
 #
-# Every step has its own time limit (GPU_LIMIT below: they add up to 480 s), so one slow
+# Every step has its own time limit (GPU_LIMIT below: they add up to 470 s of the 480), so one slow
 # step cannot eat the others. A step's output goes to $WORK/<phase>/<step>.log as it runs.
 # What lands in $OUT fits the device tool's return limits (at most 8 files): summary.md,
 # rewritten after every step (commit, torch/CUDA/driver versions, per step its exit code,
 # verdict, seconds and a note), and one archive per phase, <phase>.tar.gz, rewritten after
 # each of its steps, so a call killed at its limit still brings back everything done so
-# far. A step's note is its last "[summary] ..." line, else its last line.
+# far. A step's note is its last "[summary] ..." line, else its last line. The summary is
+# written once more when the script exits, however it exits (a failed step, a bad phase,
+# an interrupt), with its final exit code and time.
 #
 # Exit codes, of a step and of the script: 0 ok; 3 "below target" (a benchmark ran and was
 # correct but missed a speed target: reported, not a failure); anything else failed
@@ -30,12 +37,22 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PHASES=(build tests bench e2e)
-# Seconds each step may take on the GPU machine (the sum is the 480 s budget of one call,
+# Seconds each step may take on the GPU machine (the sum stays inside the 480 s of one call,
 # the build included) and in a dry run on 2 CPU cores (CI).
-declare -A GPU_LIMIT=([build]=160 [build-info]=15 [bench-build]=60 [tests-cuda]=110 [bench-masked-linear]=25
-                      [bench-pack-segments]=20 [train-nccl]=35 [e2e-gpu]=55)
+# At a6dbb0c on an H200 (bench/results/h200/all-a6dbb0c/summary.md) the steps took: build 36 s,
+# build-info 4, bench-build 18, tests-cuda 58 (254 tests, 4 workers), the benchmarks 2 each,
+# train-nccl 12, e2e-gpu 24; memory-1b is new (its own --time-limit keeps it inside).
+# They add up to 470: the script's own work between steps (versions, archives) fits in the rest.
+declare -A GPU_LIMIT=([build]=80 [build-info]=15 [bench-build]=30 [tests-cuda]=125 [bench-masked-linear]=20
+                      [bench-pack-segments]=15 [train-nccl]=25 [e2e-gpu]=40 [memory-1b]=120)
 declare -A DRY_LIMIT=([build]=0 [build-info]=30 [bench-build]=400 [tests-cuda]=240 [bench-masked-linear]=10
-                      [bench-pack-segments]=10 [train-nccl]=120 [e2e-gpu]=120)
+                      [bench-pack-segments]=10 [train-nccl]=120 [e2e-gpu]=120 [memory-1b]=120)
+# Seconds one cuda-marked test may take (the slowest at a6dbb0c: 25 s, setup included; the
+# one-GPU Lightning and Hugging Face runs are new, their scripts stop themselves at 85 s), under
+# the step's own 125 s so that a stuck test fails alone and the step's summary line survives.
+TEST_LIMIT=${GPU_CHECK_TEST_LIMIT:-90}
+# bench/memory_1b.py starts no configuration after this many seconds (its step's limit is 120).
+MEMORY_TIME_LIMIT=90
 usage="usage: bash bench/gpu_check.sh all|{build|tests|bench|e2e}... [--dry-run]"
 dry=0
 phases=()
@@ -55,6 +72,8 @@ mkdir -p "$OUT"
 rm -rf "$WORK"
 mkdir -p "$WORK"
 export PYTHONUNBUFFERED=1
+# pip's version check would try the network, which the device machine cannot reach.
+export PIP_DISABLE_PIP_VERSION_CHECK=1
 SUMMARY=$OUT/summary.md
 cmdline="$*"
 rows=()
@@ -62,6 +81,7 @@ failed=0
 below=0
 started=$SECONDS
 phase=""
+finished=""
 
 commit=${GPU_CHECK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo "unknown (no git here; pass GPU_CHECK_COMMIT)")}
 # The device machine's copy of the tree may carry stale git data: the scripts' own provenance
@@ -82,7 +102,7 @@ write_summary() {
     echo
     echo "Command: \`bash bench/gpu_check.sh $cmdline\`; $(date -u +%Y-%m-%dT%H:%MZ); commit $commit."
     echo
-    echo "Versions: $versions; device: $device; $((SECONDS - started)) s so far."
+    echo "Versions: $versions; device: $device; $((SECONDS - started)) s so far.${finished:+ $finished}"
     echo
     echo "| phase | step | exit | result | seconds | notes |"
     echo "|---|---|---:|---|---:|---|"
@@ -147,9 +167,20 @@ skip() {
   archive
 }
 
-info="import json, shutil, subprocess, torch, subnet_ext
+# The summary's last word, whatever ends the script (exit, a failed command, INT or TERM).
+on_exit() {
+  local rc=$?
+  finished="Finished: exit $rc after $((SECONDS - started)) s."
+  write_summary
+}
+trap on_exit EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+info="import json, os, shutil, subprocess, torch, subnet_ext
 b = subnet_ext.build_info()
 print(json.dumps(b))
+print('PIP_DISABLE_PIP_VERSION_CHECK=' + os.environ.get('PIP_DISABLE_PIP_VERSION_CHECK', 'unset'))
 print('nvcc:', shutil.which('nvcc'))
 print(subprocess.run(['nvidia-smi'], capture_output=True, text=True).stdout if shutil.which('nvidia-smi') else 'no nvidia-smi')
 print('[summary] archs', b['cuda_archs'], 'CUDA kernels registered:', b['cuda_kernels_registered'], 'cuda visible:',
@@ -176,14 +207,29 @@ import sys; sys.exit(0 if b['cuda_kernels_registered'] and torch.cuda.is_availab
   bench_build_rc=$step_rc
 }
 
+# The per-test limit's pytest options: pytest-timeout where installed (with xdist its thread
+# method, which ends the stuck worker and xdist replaces it, so a test stuck in a CUDA or
+# NCCL call fails alone; without xdist its signal method, which fails the test and goes on),
+# else pytest's own faulthandler_timeout (the stacks of a test that overruns, no stop).
+per_test_limit() {
+  local method=signal
+  "$PY" -c "import xdist" 2>/dev/null && method=thread
+  if "$PY" -c "import pytest_timeout" 2>/dev/null; then
+    echo "--timeout=$TEST_LIMIT --timeout-method=$method"  # the plugin loads itself (its entry point)
+  else
+    echo "-o faulthandler_timeout=$TEST_LIMIT"
+  fi
+}
+
 phase_tests() {
-  local dir=$WORK/tests parallel=()
+  local dir=$WORK/tests parallel=() limit
   mkdir -p "$dir"
   # pytest-xdist where installed (the GPU image has it): 4 workers share the GPU.
   if "$PY" -c "import xdist" 2>/dev/null; then parallel=(-n 4 --dist loadfile); fi
+  read -ra limit <<< "$(per_test_limit)"
   # No -x: every failure is listed. A module that fails to import on this machine (a package
   # its image lacks) is reported as an error without stopping the other modules' tests.
-  local pytest=("$PY" -m pytest -q -m cuda -p no:cacheprovider "${parallel[@]}" --durations=30
+  local pytest=("$PY" -m pytest -q -m cuda -p no:cacheprovider "${parallel[@]}" "${limit[@]}" --durations=30
                 --continue-on-collection-errors --junitxml="$dir/junit.xml" tests)
   # Every cuda-marked test is selected (on CPU they are skipped); the count is the note.
   step tests-cuda "${pytest[@]}"
@@ -223,6 +269,10 @@ phase_e2e() {
   cp "$run/report.md" "$WORK/e2e/train-nccl-report.md" 2>/dev/null
   rm -rf "$run"  # checkpoints: not worth bringing back
   step e2e-gpu "$PY" bench/e2e.py --device "$dev" "${e2e[@]}" --out "$WORK/e2e/e2e-gpu.md"
+  local memory=(--time-limit "$MEMORY_TIME_LIMIT")
+  ((dry)) && memory=(--device cpu --size tiny --warmup 1 --steps 1)
+  # Its own exit 3 (a prediction off by more than 10%, or rows left out) is a result, not a failure.
+  step memory-1b "$PY" bench/memory_1b.py "${memory[@]}" --out "$WORK/e2e/memory-1b.md"
 }
 
 for phase in "${phases[@]}"; do

@@ -4,6 +4,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
+#include <c10/util/string_view.h>
 
 #include <array>
 #include <optional>
@@ -87,6 +88,24 @@ void masked_linear_grad_runs_impl(const OptTensor& weight_out, const OptTensor& 
 // passes (subnet_ext.testing.max_grid_blocks). Returns the previous limit.
 int64_t max_grid_blocks();
 int64_t set_max_grid_blocks(int64_t blocks);
+
+// The CUDA kernels' paths, each counted when the host picks it (per launch; per segment for
+// the packing kernels, when its work table is built), so tests can check which path ran, not
+// only the values: the 16-byte vector paths need aligned operands, and a silent fall-back to
+// the element path would still compute the right numbers. The op `_kernel_path_count(name)`
+// reads a count by name (launch_limits.cpp holds the names).
+enum class KernelPath : int {
+  kGatherRowsVector,        // masked linear: whole rows copied in 16-byte vectors
+  kGatherColumnsVector,     // a column gather into 16-byte aligned output rows
+  kGatherElements,          // any other gather, element by element
+  kScatterColumnsVector,    // a column scatter with 16-byte stores
+  kScatterColumnsElements,  // a column scatter, element by element
+  kSegmentsVector,          // pack / unpack: a segment moved in 16-byte vectors
+  kSegmentsElements,        // pack / unpack: a segment moved element by element
+  kCount
+};
+void count_kernel_path(KernelPath path, int64_t n = 1);
+int64_t kernel_path_count(c10::string_view name);
 
 // Validated segment table of pack_segments / unpack_average_ (host side). With scales
 // (unpack), also checks that no two rectangles share memory and none aliases the buffer.

@@ -46,4 +46,6 @@ TORCH_LIBRARY(subnet_ext, m) {
   m.def("segment_table_builds() -> int", &subnet_ext::segment_table_builds);
   // Tests: lower the CUDA index kernels' grid limit (ops.h); returns the previous one.
   m.def("_set_max_grid_blocks(int blocks) -> int", &subnet_ext::set_max_grid_blocks);
+  // Tests: how many times the CUDA kernels took a path ("gather_rows_vector", ...; ops.h).
+  m.def("_kernel_path_count(str path) -> int", &subnet_ext::kernel_path_count);
 }

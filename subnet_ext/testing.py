@@ -42,6 +42,18 @@ def max_grid_blocks(blocks: int):
         torch.ops.subnet_ext._set_max_grid_blocks(previous)
 
 
+def kernel_path_count(path: str) -> int:
+    """How many times this process's CUDA kernels took `path` (csrc/ops.h KernelPath): per
+    launch for the masked linear's "gather_rows_vector", "gather_columns_vector",
+    "gather_elements", "scatter_columns_vector", "scatter_columns_elements"; per segment of a
+    work table built for pack / unpack, "segments_vector" and "segments_elements". Tests take
+    it before and after a call to see which path ran (ValueError for an unknown name)."""
+    from .ops.build_info import load_library
+
+    load_library()
+    return torch.ops.subnet_ext._kernel_path_count(path)
+
+
 def assert_close_to_reference(out: torch.Tensor, exact: torch.Tensor, torch_at_dtype: torch.Tensor, name: str = ""):
     """Flash-attention rule for half types, tight tolerance otherwise.
 

@@ -223,17 +223,20 @@ void gather_cuda(const at::Tensor& src, const at::Tensor& rows, const at::Tensor
     if (col_idx == nullptr && is_aligned16(s) && is_aligned16(d) && (n_cols * elem) % 16 == 0 &&
         (src_cols * elem) % 16 == 0) {
       // Whole rows: copied in 16-byte vectors.
+      count_kernel_path(KernelPath::kGatherRowsVector);
       const Launch l = launch_shape(n_rows, n_cols / lanes);
       gather_kernel<Vector16><<<l.grid, l.block, 0, stream>>>(static_cast<const Vector16*>(s), src_rows,
                                                                src_cols / lanes, row_idx, nullptr,
                                                                static_cast<Vector16*>(d), n_rows, n_cols / lanes);
     } else if (col_idx != nullptr && is_aligned16(d) && n_cols % lanes == 0) {
       // A column gather into 16-byte aligned output rows: 16-byte stores.
+      count_kernel_path(KernelPath::kGatherColumnsVector);
       const Launch l = launch_shape(n_rows, n_cols / lanes);
       gather_columns_vector_kernel<unit_t><<<l.grid, l.block, 0, stream>>>(
           static_cast<const unit_t*>(s), src_rows, src_cols, row_idx, col_idx, static_cast<unit_t*>(d), n_rows,
           n_cols);
     } else {
+      count_kernel_path(KernelPath::kGatherElements);
       const Launch l = launch_shape(n_rows, n_cols);
       gather_kernel<unit_t><<<l.grid, l.block, 0, stream>>>(static_cast<const unit_t*>(s), src_rows, src_cols,
                                                              row_idx, col_idx, static_cast<unit_t*>(d), n_rows,
@@ -270,9 +273,11 @@ void scatter_columns_cuda(const at::Tensor& src, const at::Tensor& cols, const a
     auto* d = static_cast<unit_t*>(dst.mutable_data_ptr());
     const int64_t* inv = inverse.const_data_ptr<int64_t>();
     if (is_aligned16(d) && dst_cols % lanes == 0) {
+      count_kernel_path(KernelPath::kScatterColumnsVector);
       const Launch l = launch_shape(n_rows, dst_cols / lanes);
       scatter_columns_kernel<unit_t, lanes><<<l.grid, l.block, 0, stream>>>(s, n_cols, inv, d, n_rows, dst_cols);
     } else {
+      count_kernel_path(KernelPath::kScatterColumnsElements);
       const Launch l = launch_shape(n_rows, dst_cols);
       scatter_columns_kernel<unit_t, 1><<<l.grid, l.block, 0, stream>>>(s, n_cols, inv, d, n_rows, dst_cols);
     }

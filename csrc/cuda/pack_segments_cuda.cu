@@ -229,6 +229,7 @@ HostWork work_table(const char* op, c10::ArrayRef<SegmentDesc> segs, at::TensorL
       d.rect = in_vectors(d.rect, lanes);
       d.vectorised = 1;
     }
+    count_kernel_path(d.vectorised ? KernelPath::kSegmentsVector : KernelPath::kSegmentsElements);
     const int64_t units = segment_numel(d.rect);
     const int64_t per_chunk = kChunkBytes / (d.vectorised ? 16 : elem);
     const int64_t index = static_cast<int64_t>(device_segs.size());

@@ -119,10 +119,19 @@ class Method:
         """Context for the first N-1 micro-batches of --grad-accum: backwards only accumulate."""
         return contextlib.nullcontext()
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, nonfinite_check: bool = False) -> torch.Tensor:
         """Scales the gradients so their global 2-norm is at most max_norm; returns the
-        pre-clip norm (a 0-d tensor, the same on every rank)."""
+        pre-clip norm (a 0-d tensor, the same on every rank). nonfinite_check: the norm must
+        be inf or NaN when any rank holds such a gradient (torch's norm over every gradient,
+        DDP's all-reduced or FSDP2's shards, already is)."""
         return torch.nn.utils.clip_grad_norm_(list(self.module.parameters()), max_norm)
+
+    def clip_norm_is_agreed(self) -> bool:
+        """True when clip_grad_norm_(..., nonfinite_check=True)'s norm is the same on every rank
+        and non-finite exactly when some rank holds an inf/NaN gradient: the step's skip
+        decision can then be read off it (training.OptimizerStep) instead of a separate pass
+        over the gradients and a collective of its own."""
+        return True
 
     def parameters(self):
         """The parameters the optimizer steps."""
@@ -321,10 +330,16 @@ class SDPMethod(Method):
         """SDP's context that accumulates gradients without averaging them among owners."""
         return self.sdp.no_sync()
 
-    def clip_grad_norm_(self, max_norm):
-        """Clip by the whole model's synchronised gradient norm; returns that norm (0-d tensor)."""
+    def clip_norm_is_agreed(self) -> bool:
+        """Not when every period is > 1 (local SGD: each rank clips by its own gradients' norm); with
+        a period per unit group the norm adds every rank's local pieces in the one all-reduce."""
+        return 1 in self.sdp.config.periods
+
+    def clip_grad_norm_(self, max_norm, nonfinite_check: bool = False):
+        """Clip by the whole model's synchronised gradient norm; returns that norm (0-d tensor);
+        nonfinite_check as SubnetDataParallel.clip_grad_norm_'s."""
         # The norm of the synchronised gradient of the whole model (docs/design.md §5.1), not one rank's share.
-        return self.sdp.clip_grad_norm_(max_norm)
+        return self.sdp.clip_grad_norm_(max_norm, nonfinite_check=nonfinite_check)
 
     def parameters(self):
         """The parameters this rank's optimizer steps (its subnetwork's, from SubnetDataParallel)."""

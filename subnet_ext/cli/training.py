@@ -4,7 +4,10 @@ loss scaling), gradient accumulation, clipping, the learning-rate schedule.
 One `OptimizerStep` per run. Per step: N micro-batches (the first N-1 backwards without
 communication, the loss divided by N), then either the scaler's decision (fp16: the
 scaler finds inf/NaN) or the NonFiniteGuard's all-reduced flag (fp32/bf16), then clipping
-of the synchronised gradient, the optimizer step and the scheduler step. Every decision is
+of the synchronised gradient, the optimizer step and the scheduler step. With clipping the
+guard's flag is read off the clipping's norm (NonFiniteGuard.check_norm: the norm of every
+gradient, agreed by all ranks, is non-finite exactly when some gradient is), so the step makes
+one pass over the gradients and one collective fewer. Every decision is
 agreed by all ranks and stays on the device: the optimizer is torch's fused AdamW, which
 takes the flag as its `found_inf` and leaves parameters and state unchanged on a skipped
 step (as with torch's GradScaler), so nothing is read to the host. The skipped steps reach
@@ -159,12 +162,17 @@ class OptimizerStep:
         guard: engine.guard.NonFiniteGuard (it also keeps the scaler's flags).
         args: grad_accum, grad_clip, precision, lr, min_lr, lr_schedule, warmup_steps, steps.
         taken: steps already taken (a resumed run, skipped ones included), to position the schedule.
+        fold_nonfinite_check: with clipping and a norm every rank agrees on, decide the skip
+            from the clipping's norm (the default); False: the guard's separate pass and
+            all-reduce, as without clipping (bench/nonfinite_fold.py times both).
     An optimizer that takes no found-inf flag (make_optimizer's unfused AdamW beside FSDP2's
     DTensors) has its skips decided on the host: one read of the agreed flag per step.
     """
 
-    def __init__(self, method, optimizer, guard, args, device: torch.device, taken: int = 0):
+    def __init__(self, method, optimizer, guard, args, device: torch.device, taken: int = 0,
+                 fold_nonfinite_check: bool = True):
         self.method, self.optimizer, self.guard, self.device = method, optimizer, guard, device
+        self.fold = fold_nonfinite_check
         self.micro_steps, self.max_norm, self.precision = args.grad_accum, args.grad_clip, args.precision
         self.scaler = make_scaler(method.name, args.precision, device)
         self.scheduler = make_scheduler(optimizer, args.lr, args.steps, args.warmup_steps, args.lr_schedule, taken,
@@ -208,8 +216,12 @@ class OptimizerStep:
             self.scaler.update()
             self.guard.record(skip, step)
         else:
-            skip = self.guard.check(self.method.parameters(), step)
-            norm = self._clip()
+            if self.fold and self.max_norm is not None and self.method.clip_norm_is_agreed():
+                norm = self._clip(nonfinite_check=True)  # every gradient read once, one all-reduce
+                skip = self.guard.check_norm(norm, step)
+            else:
+                skip = self.guard.check(self.method.parameters(), step)
+                norm = self._clip()
             if getattr(self.optimizer, "_step_supports_amp_scaling", False):
                 self.guard.optimizer_step(self.optimizer, skip)
             elif skip.item() == 0.0:  # an optimizer that takes no flag (make_optimizer): decided on the host
@@ -217,10 +229,10 @@ class OptimizerStep:
         self.scheduler.step()
         return {"lr": lr, "grad_norm": norm, "skip": skip}
 
-    def _clip(self):
+    def _clip(self, nonfinite_check: bool = False):
         if self.max_norm is None:
             return None
-        norm = self.method.clip_grad_norm_(self.max_norm)
+        norm = self.method.clip_grad_norm_(self.max_norm, nonfinite_check=nonfinite_check)
         return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).detach()
 
 

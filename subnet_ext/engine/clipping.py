@@ -14,6 +14,12 @@ the synchronised gradient of the *whole* model, every element counted once:
 After averaging, the owners of a piece hold bit-identical gradients, so counting it on
 one of them gives the norm DDP would compute (C = 1: the same up to summation order).
 
+With `nonfinite_check` the same pass also reads the pieces this rank holds but does not lead
+(their max |g|, which propagates NaN), and a non-finite one adds inf to this rank's share of
+the all-reduce: the norm is then inf or NaN on every rank exactly when some rank holds an inf
+or NaN gradient, so a non-finite guard can read its skip decision off the norm
+(NonFiniteGuard.check_norm) instead of its own pass and collective.
+
 With sync_every = H > 1 gradients are never averaged (local SGD between parameter
 averages): each rank then clips by the norm of its *own* gradients, with no
 communication, as local SGD does. With a period per unit group, some gradients are averaged
@@ -41,8 +47,18 @@ def _check_args(max_norm, norm_type) -> float:
     return float(norm_type)
 
 
+def _nonfinite_elsewhere(views: list[torch.Tensor], device) -> torch.Tensor:
+    """inf when some of `views` holds an inf or NaN, else 0: a 0-d float32 tensor on `device`
+    (one multi-tensor max |g| per device and dtype, no host read)."""
+    views = [v for v in views if v.numel()]
+    if not views:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    peaks = torch.stack([m.to(device, torch.float32) for m in torch._foreach_norm(views, float("inf"))])
+    return torch.where(peaks.isfinite().all(), 0.0, math.inf).to(torch.float32)
+
+
 def synchronised_grad_norm(layout: RankLayout, norm_type: float = 2.0, communicate: bool = False, group=None,
-                           timeout: float | None = None, local=None) -> torch.Tensor:
+                           timeout: float | None = None, local=None, nonfinite_check: bool = False) -> torch.Tensor:
     """The norm of the whole model's synchronised gradient: a 0-d float32 tensor, the
     same on every rank. Collective over `group` (one all-reduce of one number) when
     `communicate` (False: one rank, a simulated rank, or no torch.distributed: the norm of
@@ -53,23 +69,28 @@ def synchronised_grad_norm(layout: RankLayout, norm_type: float = 2.0, communica
         layout: this rank's RankLayout (where each piece's gradient lives).
         group: the engine's world group (None: the default group); timeout: its deadline.
         local: piece -> True when its gradient is not averaged (a period > 1): every holder counts it.
+        nonfinite_check: also read the held pieces this rank does not count; the norm is inf
+            or NaN when any of them is (module docstring).
     """
     norm_type = _check_args(1.0, norm_type)
     # A sharded shared parameter's rows are held once each, by one rank: every rank counts its own.
-    led = [view for piece, view in layout.held_gradients()
-           if layout.contributes(piece) or (local is not None and local(piece))]
+    held = layout.held_gradients()
+    counted = [layout.contributes(piece) or (local is not None and local(piece)) for piece, _ in held]
+    led = [view for (_, view), c in zip(held, counted) if c]
     device = led[0].device if led else layout.device
     if led:
         # Per-piece norms in fp32 (halves accumulate in fp32), then the norm of the norms.
         norms = [torch.linalg.vector_norm(v, norm_type, dtype=torch.float32) for v in led]
-        local = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type)
+        own = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type)
     else:
-        local = torch.zeros((), dtype=torch.float32, device=device)
+        own = torch.zeros((), dtype=torch.float32, device=device)
+    if nonfinite_check:
+        own = own + _nonfinite_elsewhere([view for (_, view), c in zip(held, counted) if not c], device)
     if not communicate:
-        return local
+        return own
     inf = math.isinf(norm_type)
     reduce_device = torch.device("cpu") if dist.get_backend(group) == "gloo" else device
-    flag = (local if inf else local.pow(norm_type)).reshape(1).to(reduce_device)
+    flag = (own if inf else own.pow(norm_type)).reshape(1).to(reduce_device)
     # In the step: the engine's world group (made with its timeout), no host deadline, so
     # on NCCL the host does not wait for the norm (collectives.wait_in_stream_order).
     work = dist.all_reduce(flag, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group, async_op=True)
@@ -81,7 +102,7 @@ def synchronised_grad_norm(layout: RankLayout, norm_type: float = 2.0, communica
 
 def clip_grad_norm_(layout: RankLayout, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                     foreach: bool | None = None, *, local_sgd: bool = False, communicate: bool = False, group=None,
-                    timeout: float | None = None, local=None) -> torch.Tensor:
+                    timeout: float | None = None, local=None, nonfinite_check: bool = False) -> torch.Tensor:
     """Clip every gradient this rank holds by the norm of the whole model's gradient.
 
     Args:
@@ -92,7 +113,7 @@ def clip_grad_norm_(layout: RankLayout, max_norm: float, norm_type: float = 2.0,
             the norm is inf or NaN, instead of scaling by a NaN coefficient.
         foreach: passed to torch's scaling of the gradients (None: torch's default).
         local_sgd: sync_every > 1: each rank clips by its own gradients, no communication.
-        communicate, group, timeout, local: as synchronised_grad_norm's.
+        communicate, group, timeout, local, nonfinite_check: as synchronised_grad_norm's.
     Returns:
         the total norm before clipping, a 0-d float32 tensor equal on every rank when
         not `local_sgd` (collective); this rank's own norm with `local_sgd`.
@@ -101,7 +122,7 @@ def clip_grad_norm_(layout: RankLayout, max_norm: float, norm_type: float = 2.0,
     params = [p for p in layout.trainable if p.grad is not None]
     if local_sgd:
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
-    total = synchronised_grad_norm(layout, norm_type, communicate, group, timeout, local)
+    total = synchronised_grad_norm(layout, norm_type, communicate, group, timeout, local, nonfinite_check)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RuntimeError(f"The total norm of order {norm_type} of the gradients of the whole model is "
                            f"non-finite ({total.item()}), so it cannot be clipped; pass error_if_nonfinite=False "

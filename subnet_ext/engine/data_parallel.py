@@ -382,11 +382,12 @@ class SubnetDataParallel(DDPInterface, EngineParts, nn.Module):
         return guard.gradients_finite(self._layout.trainable, self._process_group, self.config.timeout)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
-                        foreach: bool | None = None) -> torch.Tensor:
+                        foreach: bool | None = None, nonfinite_check: bool = False) -> torch.Tensor:
         """Clip gradients by the norm of the whole model's synchronised gradient (as FSDP's
         method); returns that norm (0-d), the same on every rank. Collective; call it after
         backward, before optimizer.step(). With sync_every > 1 it clips each rank by its own
-        gradients' norm (local SGD). See clipping.py."""
+        gradients' norm (local SGD). nonfinite_check: the norm is also inf or NaN when any rank
+        holds such a gradient (NonFiniteGuard.check_norm's agreed skip). See clipping.py."""
         layout, _ = self.state_access("clip_grad_norm_")
         period_of = piece_periods(self.plan, self.config)
         communicate = self.world_size > 1 and not self._simulated and dist.is_initialized()
@@ -394,7 +395,8 @@ class SubnetDataParallel(DDPInterface, EngineParts, nn.Module):
                                         local_sgd=1 not in self.config.periods, communicate=communicate,
                                         local=None if self.config.every_step else
                                         lambda piece: period_of(piece) > 1,
-                                        group=self._comm.world_group, timeout=self.config.timeout)
+                                        group=self._comm.world_group, timeout=self.config.timeout,
+                                        nonfinite_check=nonfinite_check)
 
     @collective_method
     def full_model(self, residual_scale=None) -> nn.Module:

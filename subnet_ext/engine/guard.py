@@ -29,6 +29,20 @@ where it is 1. The optimizer must support it (torch's `fused=True` Adam/AdamW):
     ...
     guard.settle()                              # now and then: one read of the pending flags
 
+With gradient clipping the check rides on the clipping's pass: asked to, the norm of the
+whole synchronised gradient also reads the pieces a rank holds but does not lead (clipping.py)
+and is non-finite, after its one all-reduce, on every rank exactly when some rank holds an inf
+or NaN gradient; `check_norm` reads the decision off it, with no pass and no collective of
+its own:
+
+    norm = sdp.clip_grad_norm_(1.0, nonfinite_check=True)   # collective
+    flag = guard.check_norm(norm, step)                     # no pass, no collective
+    guard.optimizer_step(optimizer, flag)
+
+(One difference in kind: finite gradients whose norm overflows the float32 range, about
+3.4e38, also skip the step, where the separate check would let a step with zero-scaled
+gradients through.)
+
 Here `optimizer.step()` and its post hooks run on a skipped step too: every rank calls
 them at the same points, and the engine's refresh or averaging then moves values the step
 left unchanged. The skipped steps are known on the host once `settle()` reads the flags;
@@ -169,6 +183,17 @@ class NonFiniteGuard:
         pending for `step` (a label); no host read, the all-reduce waited for in stream
         order. Collective. Pass it to `optimizer_step`."""
         flag = agreed_nonfinite_flag(parameters, self.group, self.timeout, host_deadline=False)
+        self.record(flag, step)
+        return flag
+
+    def check_norm(self, norm: torch.Tensor, step: int) -> torch.Tensor:
+        """The agreed flag of this step read off `norm`, a gradient norm that is the same on
+        every rank and non-finite when any rank's gradient is (`SubnetDataParallel.clip_grad_norm_`
+        with nonfinite_check=True and sync_every = 1; torch's `clip_grad_norm_` over DDP's or
+        FSDP2's gradients): 1.0 when it is inf or NaN.
+        Kept as pending for `step`, as `check` keeps its flag; neither a pass over the gradients
+        nor a collective (the module docstring says why it is the same decision)."""
+        flag = (~torch.isfinite(norm.detach().reshape(()))).float()
         self.record(flag, step)
         return flag
 

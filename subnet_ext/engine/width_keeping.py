@@ -16,6 +16,10 @@ keeps its module's width instead:
 - the consumer (the output projection) reads only its owned input columns (the masked
   linear op's gather) with its compact weight.
 
+A rank owns whole heads, so its owned indices are usually a few runs of head_dim or more
+consecutive columns: then the layer takes the run path (width_kept_runs.py: narrow views,
+one GEMM per run into or from its column slice, no gather or scatter by index).
+
 Its output equals the subnetwork's (the owned heads alone). What does not shrink: the
 attention's own activations and FLOPs (every head is computed, the unowned ones on zeros);
 plan.summary() names the modules that run this way and why. Linear projections only.
@@ -30,6 +34,7 @@ from ..planning.pieces import Piece, owned_indices
 from .module_swaps import ModuleSwaps, adopt_tensors
 from .sliced_layers import release
 from .slicing import compact_copy, replace_tensor, split_name
+from .width_kept_runs import WidthKeptRuns, index_runs, runs_worth_it
 
 
 def keepable(root: nn.Module, prefix: str, group) -> bool:
@@ -45,7 +50,8 @@ class WidthKeptLinear(nn.Module):
 
     Producer (`out_index` given): x [..., in] -> [..., width], the owned rows' outputs at their
     positions, zeros elsewhere. Consumer (`in_index` given): x [..., width] -> [..., out], from
-    the owned input columns only."""
+    the owned input columns only. `runs`: the owned index as [(start, length)] runs when the
+    run path applies (width_kept_runs.py), else None (the masked op's index kernels)."""
 
     def __init__(self, original: nn.Linear, out_index: torch.Tensor | None, in_index: torch.Tensor | None,
                  width: int | None):
@@ -54,9 +60,14 @@ class WidthKeptLinear(nn.Module):
         self.in_features, self.out_features = original.in_features, original.out_features
         # Plain attributes, not buffers: they are no state of the model (no state-dict entry).
         self.out_index, self.in_index, self.width = out_index, in_index, width
+        runs = index_runs(out_index if out_index is not None else in_index)
+        self.runs = tuple(runs) if runs_worth_it(runs) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The masked linear op on the compact weight, scattered to (or gathered from) the full width."""
+        """The owned runs' GEMMs into (or from) their column slices of the full width, or the
+        masked linear op on the compact weight, scattered to (or gathered from) it."""
+        if self.runs is not None:
+            return WidthKeptRuns.apply(x, self.weight, self.bias, self.runs, self.width)
         return ops.masked_linear(x, self.weight, self.bias, self.out_index, self.in_index, compact_weight=True,
                                  scatter_width=self.width, check_indices=False)
 

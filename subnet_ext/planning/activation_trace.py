@@ -19,6 +19,12 @@ bytes of the block's input (what a checkpoint keeps) and of what the block saves
 checkpoint recomputes in backward).
 
 The sample is one rank's batch: activations scale with it.
+
+Mixed precision (`compute_dtype`, e.g. torch.bfloat16): the forward and loss run under
+`torch.autocast`, as a bf16 training step does, so each saved tensor has the dtype autocast
+gives it, and the half-precision copies autocast makes of the weights (saved by the matrix
+products for backward) are counted too: a copy of a neuron group's weight is tagged with the
+group (a rank casts only its share), a copy made inside a block belongs to the block's unit.
 """
 from __future__ import annotations
 
@@ -53,6 +59,7 @@ class ActivationTrace:
             ReLU saves); empty when the model has no residual block.
         largest: bytes of the largest saved storage (its gradient is a backward temporary).
         source: what was traced.
+        compute_dtype: the autocast dtype of the traced forward (None: the parameters' dtypes).
     """
 
     unit: torch.Tensor
@@ -63,6 +70,7 @@ class ActivationTrace:
     block_outputs: dict
     largest: float
     source: str
+    compute_dtype: torch.dtype | None = None
 
     @property
     def full(self) -> float:
@@ -73,12 +81,21 @@ class ActivationTrace:
 class _WidthTags(TorchDispatchMode):
     """Carries a neuron group's tag from a producer's output to everything computed from it."""
 
-    def __init__(self, tags: WeakIdKeyDictionary):
+    def __init__(self, tags: WeakIdKeyDictionary, weight_groups: WeakIdKeyDictionary,
+                 layer_inputs: WeakIdKeyDictionary):
         super().__init__()
-        self.tags = tags
+        self.tags, self.weight_groups, self.layer_inputs = tags, weight_groups, layer_inputs
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default:
+            source = args[0].untyped_storage()
+            if source in self.layer_inputs:  # autocast's copy of a layer's input: what its weight gradient reads
+                self.layer_inputs[out.untyped_storage()] = self.layer_inputs[source]
+            if source in self.weight_groups:
+                # Autocast's copy of a neuron group's weight: a rank casts only the rows or columns it holds.
+                self.tags[out.untyped_storage()] = self.weight_groups[source]
+                return out
         tag = next((self.tags[s] for t in tree_iter((args, kwargs)) if isinstance(t, torch.Tensor)
                     and (s := t.untyped_storage()) in self.tags), None)
         if tag is not None:
@@ -86,6 +103,17 @@ class _WidthTags(TorchDispatchMode):
                 if isinstance(t, torch.Tensor):
                     self.tags[t.untyped_storage()] = tag
         return out
+
+
+def _weight_groups(model: nn.Module, plan) -> WeakIdKeyDictionary:
+    """{storage of a neuron group's member parameter: the group's index}."""
+    params, out = dict(model.named_parameters(remove_duplicate=False)), WeakIdKeyDictionary()
+    for g_index, g in enumerate(plan.groups):
+        if g.kind != "block":
+            for member in g.members:
+                if member.name in params:
+                    out[params[member.name].untyped_storage()] = g_index
+    return out
 
 
 def _group_roles(model: nn.Module, plan) -> tuple[dict, dict]:
@@ -225,10 +253,12 @@ def _trace_device(model: nn.Module, device) -> torch.device:
     return where  # a model built on the meta device is traced as if on the CPU
 
 
-def trace_activations(model: nn.Module, plan, sample_input, device=None) -> ActivationTrace:
+def trace_activations(model: nn.Module, plan, sample_input, device=None,
+                      compute_dtype: torch.dtype | None = None) -> ActivationTrace:
     """Activation bytes of one training forward (and loss) of `sample_input` (a tensor, or
     (shape, dtype); one rank's batch), attributed to the plan's units; see the module docstring.
     device: the device whose kernels are traced (default: the model's; the CPU for a meta model).
+    compute_dtype: trace under `torch.autocast` with this dtype (bf16 training); None: without.
 
     Raises:
         ValueError: the forward fails on fake tensors with this input.
@@ -238,15 +268,16 @@ def trace_activations(model: nn.Module, plan, sample_input, device=None) -> Acti
     with FakeTensorMode(allow_non_fake_inputs=False):
         meta = _fake_copy(model, device)
         x = torch.zeros(shape.shape, dtype=shape.dtype, device=device)
-        recorder = _run_trace(meta, plan, x)
+        recorder = _run_trace(meta, plan, x, device, compute_dtype)
+    kernels = device.type + ("" if compute_dtype is None else f", autocast {str(compute_dtype)[6:]}")
     return ActivationTrace(torch.tensor(recorder.unit, dtype=torch.float64),
                            torch.tensor(recorder.weight_inputs, dtype=torch.float64), recorder.shared,
                            recorder.block_inputs, recorder.block_saved, recorder.block_outputs, recorder.largest,
-                           f"saved tensors of one forward of {list(x.shape)} {str(x.dtype)[6:]} "
-                           f"({device.type} kernels)")
+                           f"saved tensors of one forward of {list(x.shape)} {str(x.dtype)[6:]} ({kernels} kernels)",
+                           compute_dtype)
 
 
-def _run_trace(meta: nn.Module, plan, x: torch.Tensor) -> _Recorder:
+def _run_trace(meta: nn.Module, plan, x: torch.Tensor, device: torch.device, compute_dtype) -> _Recorder:
     producers, consumers = _group_roles(meta, plan)
     recorder = _Recorder(meta, plan, _residual_blocks(meta))
     handles = []
@@ -254,8 +285,9 @@ def _run_trace(meta: nn.Module, plan, x: torch.Tensor) -> _Recorder:
         handles.append(module.register_forward_pre_hook(lambda m, a: recorder.enter(m, a)))
         handles.append(module.register_forward_hook(lambda m, a, o: recorder.leave(m, producers, consumers, o)))
     try:
-        with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t), _WidthTags(recorder.tags), \
-                torch.enable_grad():
+        with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t), \
+                _WidthTags(recorder.tags, _weight_groups(meta, plan), recorder.layer_inputs), torch.enable_grad(), \
+                torch.autocast(device.type, dtype=compute_dtype, enabled=compute_dtype is not None):
             _loss(meta(x))
     except (RuntimeError, NotImplementedError, TypeError, ValueError, IndexError) as e:
         raise ValueError(f"tracing activations with sample_input of shape {list(x.shape)} {x.dtype} on fake "

@@ -12,8 +12,9 @@ Model state (held for the whole step):
   and freed by zero_grad.
 - optimizer state: `optimizer_moments(optimizer)` tensors of the owned parameters' size
   (AdamW/Adam: exp_avg and exp_avg_sq; SGD with momentum: the momentum buffer; plain SGD: none).
-Persistent extras the engine keeps: the backward regime's refresh buffer (the units it does
-not own); at the neuron level in the forward regime, the
+Persistent extras the engine keeps: the backward regime's refresh buffer (the largest
+broadcast: the most bytes one rank leads among the units some rank lacks); at the neuron
+level in the forward regime, the
 weights gathered from the owned runs for the forward (the units' bytes again).
 
 Activations (planning/activation_trace.py): the shared part plus the owned units' parts in
@@ -31,8 +32,17 @@ The peak is the largest of three moments, found by metering real steps
   activation checkpointing every bucket's gradients are counted as waiting: measured, the
   GPT's recomputed blocks leave them all waiting (the prediction is exact there), where
   the residual MLP's wait for one bucket (over-predicted by 13% at C = 0.5, K = 4);
-- optimizer step: persistent + every gradient + one parameter's update temporaries (twice the
-  largest parameter: the per-parameter loop of torch's CPU optimizers).
+- optimizer step: persistent + every gradient + the update's temporaries, by how the optimizer
+  runs (`optimizer_kernel`): "for-loop" (one parameter at a time, torch's default on the CPU):
+  twice the largest parameter; "foreach" (multi-tensor, torch's default on CUDA): one tensor
+  the size of every owned parameter at once (AdamW's sqrt(exp_avg_sq) list, one param group
+  of one dtype); "fused" (one
+  kernel updating in place): none. Measured with StepMemoryMeter on CPU steps, where each
+  can be forced (tests/planning/test_memory_model.py).
+Mixed precision (a trace made with `compute_dtype`, i.e. autocast over fp32 parameters): the
+activations are the traced ones (autocast's dtypes and its copies of the weights); the
+gradient being computed at the end of backward is also held in the compute dtype before it
+is added to the fp32 gradient.
 With `shard_shared`, FSDP2's gathered shared parameters are alive at both moments, and their
 unsharded gradient at the end of backward.
 """
@@ -46,6 +56,7 @@ from .costs import choose_strategy
 from .sharding import communicated_pieces, shard_bytes, sharded_names
 
 REGIMES = ("forward", "backward")
+OPTIMIZER_KERNELS = ("for-loop", "foreach", "fused")
 _MOMENTS = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1}
 
 
@@ -72,6 +83,38 @@ def optimizer_moments(optimizer="adamw") -> float:
         raise ValueError(f"memory model: unknown optimizer {optimizer!r}; expected one of {sorted(_MOMENTS)}, "
                          "a torch.optim.Adam/AdamW/SGD instance or class")
     return _MOMENTS[key]
+
+
+def optimizer_kernel(optimizer=None, device="cpu") -> str:
+    """How a torch optimizer runs its update: "for-loop", "foreach" or "fused" (see the module
+    docstring). optimizer: an instance (its `foreach`/`fused` defaults read), or None; an unset
+    choice is torch's default for `device`: foreach on CUDA, for-loop on the CPU."""
+    defaults = getattr(optimizer, "defaults", {}) if optimizer is not None else {}
+    if defaults.get("fused"):
+        return "fused"
+    if defaults.get("foreach") is None:
+        return "foreach" if torch.device(device).type == "cuda" else "for-loop"
+    return "foreach" if defaults["foreach"] else "for-loop"
+
+
+def update_temporaries(kernel: str, owned_bytes: float, largest_bytes: float) -> float:
+    """Bytes the optimizer's update allocates at once: see the module docstring.
+
+    Raises:
+        ValueError: an unknown kernel.
+    """
+    if kernel not in OPTIMIZER_KERNELS:
+        raise ValueError(f"memory model: optimizer_kernel must be one of {OPTIMIZER_KERNELS}, got {kernel!r}")
+    return {"for-loop": 2 * largest_bytes, "foreach": owned_bytes, "fused": 0.0}[kernel]
+
+
+def gradient_temporary(largest_bytes: float, trace) -> float:
+    """The gradient being computed at the end of backward: the largest parameter's, plus its
+    half-precision copy under autocast (a trace made with compute_dtype)."""
+    dtype = getattr(trace, "compute_dtype", None)
+    if dtype is None:
+        return largest_bytes
+    return largest_bytes * (1 + torch.empty((), dtype=dtype).element_size() / 4)
 
 
 def _tensor_bytes(plan, name: str) -> float:
@@ -186,53 +229,83 @@ def _communicated_gradients(plan, rank: int, shard_shared: bool) -> float:
     return shared + float(plan.owners[rank].double() @ (plan.unit_bytes * (plan.owner_count > 1)))
 
 
+def _refresh_buffer_bytes(plan) -> float:
+    """The backward regime's refresh buffer (comm/refresh.py): one buffer serves every leader's
+    broadcast in turn, sized to the largest, i.e. the most bytes one rank leads (is the lowest
+    owner of) among the units some rank lacks; allocated on every rank, simulated ones too."""
+    led = torch.zeros(plan.world_size, dtype=torch.float64)
+    for u in range(len(plan.units)):
+        owners = torch.nonzero(plan.owners[:, u]).flatten()
+        if 0 < len(owners) < plan.world_size:
+            led[int(owners[0])] += float(plan.unit_bytes[u])
+    return float(led.max()) if plan.world_size > 1 else 0.0
+
+
 def _persistent_extras(plan, rank: int, regime: str, shard_shared: bool, buckets: float, communicated: float) -> float:
     """Bytes the engine keeps besides model state: bucket buffers beyond the gradients they hold
     (zero-filled buckets), the backward regime's refresh buffer, the neuron-level forward
     regime's gathered weights, FSDP2's gathered shared parameters."""
     extra = max(0.0, buckets - communicated)
-    # The refresh buffer holds the pieces of the units this rank does not own (comm/refresh.py).
-    extra += plan.full_bytes - float(plan.bytes_per_rank[rank]) if regime == "backward" else 0.0
+    extra += _refresh_buffer_bytes(plan) if regime == "backward" else 0.0
     extra += _gathered_bytes(plan, rank, regime)
     if shard_shared:
         extra += _shared_param_bytes(plan)
     return extra
 
 
-def predict_step_memory(plan, rank: int, trace: ActivationTrace | None = None, regime: str = "forward",
-                        optimizer="adamw", shard_shared: bool = False, activation_checkpointing: bool = False,
-                        bucket_cap_bytes: float = DEFAULT_BUCKET_CAP_MB * 2**20) -> dict:
-    """Predicted peak bytes of one training step (forward, backward, optimizer step) on `rank`.
-
-    Args:
-        plan: the SubnetPlan. trace: trace_activations(model, plan, one rank's batch); None
-            predicts model state only (activations and their temporaries count 0).
-        regime, optimizer, shard_shared, activation_checkpointing, bucket_cap_bytes: the
-            configuration (SubnetDataParallel's and the training loop's).
-    Returns:
-        {"parameters", "gradients", "optimizer_state", "model_state", "activations",
-        "transient", "total", "peak_at"}: bytes at the predicted peak ("gradients": those alive
-        then); "total" = model_state + activations + transient; "peak_at": "start of
-        backward", "end of backward" or "optimizer step".
-    """
+def step_moments(plan, rank: int, trace: ActivationTrace | None = None, regime: str = "forward",
+                 optimizer="adamw", shard_shared: bool = False, activation_checkpointing: bool = False,
+                 bucket_cap_bytes: float = DEFAULT_BUCKET_CAP_MB * 2**20,
+                 optimizer_kernel: str = "for-loop") -> tuple[dict, dict]:
+    """(model_state(...), {moment: (gradient bytes alive, activation bytes alive, transient bytes)})
+    for the three moments of the module docstring; predict_step_memory's arguments."""
     state = model_state(plan, rank, regime, optimizer, shard_shared)
     all_buckets, largest_bucket = _buckets(plan, rank, shard_shared, bucket_cap_bytes)
     communicated = min(_communicated_gradients(plan, rank, shard_shared), state["gradients"])
     extras = _persistent_extras(plan, rank, regime, shard_shared, all_buckets, communicated)
     acts, recomputed = activations(plan, rank, trace, regime, activation_checkpointing) if trace else (0.0, 0.0)
     largest = _largest_param(plan, rank)
-    moments = {  # (gradients alive, activations alive, transient)
+    update = update_temporaries(optimizer_kernel, state["gradients"], largest)  # what the optimizer steps
+    return state, {
         "start of backward": (communicated, acts, extras + 2 * (trace.largest if trace else 0.0) + recomputed),
         "end of backward": (state["gradients"], 0.0,
                             extras + max(all_buckets if activation_checkpointing else largest_bucket,
-                                         _gathered_bytes(plan, rank, regime)) + largest),
-        "optimizer step": (state["gradients"], 0.0, extras + 2 * largest),  # one parameter's update temporaries
+                                         _gathered_bytes(plan, rank, regime)) + gradient_temporary(largest, trace)),
+        "optimizer step": (state["gradients"], 0.0, extras + update),
     }
+
+
+def peak_of(state: dict, moments: dict) -> dict:
+    """The largest of `moments` (step_moments's) as predict_step_memory's dict."""
     at = max(moments, key=lambda m: sum(moments[m]))
     grads, kept, transient = moments[at]
     held = state["parameters"] + grads + state["optimizer_state"]
     return dict(state, gradients=grads, model_state=held, activations=kept, transient=transient,
                 total=held + kept + transient, peak_at=at)
+
+
+def predict_step_memory(plan, rank: int, trace: ActivationTrace | None = None, regime: str = "forward",
+                        optimizer="adamw", shard_shared: bool = False, activation_checkpointing: bool = False,
+                        bucket_cap_bytes: float = DEFAULT_BUCKET_CAP_MB * 2**20,
+                        optimizer_kernel: str = "for-loop") -> dict:
+    """Predicted peak bytes of one training step (forward, backward, optimizer step) on `rank`.
+
+    Args:
+        plan: the SubnetPlan. trace: trace_activations(model, plan, one rank's batch); None
+            predicts model state only (activations and their temporaries count 0). A trace
+            made with compute_dtype predicts autocast training over the plan's dtypes.
+        regime, optimizer, shard_shared, activation_checkpointing, bucket_cap_bytes: the
+            configuration (SubnetDataParallel's and the training loop's).
+        optimizer_kernel: "for-loop", "foreach" or "fused" (optimizer_kernel(optimizer, device)
+            reads it off a torch optimizer).
+    Returns:
+        {"parameters", "gradients", "optimizer_state", "model_state", "activations",
+        "transient", "total", "peak_at"}: bytes at the predicted peak ("gradients": those alive
+        then); "total" = model_state + activations + transient; "peak_at": "start of
+        backward", "end of backward" or "optimizer step".
+    """
+    return peak_of(*step_moments(plan, rank, trace, regime, optimizer, shard_shared, activation_checkpointing,
+                                 bucket_cap_bytes, optimizer_kernel))
 
 
 def worst_rank_memory(plan, trace: ActivationTrace | None = None, **config) -> dict:

@@ -20,6 +20,9 @@ gradients, gathered from every rank in full-model coordinates:
 - a user hook: called once per bucket of this rank per backward, in the global bucket order,
   with the bucket's owner set and a process group of exactly those ranks; its mean is the
   default reduction's to the bit.
+- on a GPU (`cuda` mark): the bf16 wire and the low-rank hook with the model, its buckets and
+  the hook's matrices on cuda:0 (two gloo ranks sharing the GPU; gloo stages CUDA tensors
+  through the host), against the same references.
 """
 import contextlib
 
@@ -29,6 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import subnet_ext as sx
+from gpu_marks import needs_cuda
 from rank_views import to_full
 from sdp_helpers import batch, make_model
 from subnet_ext.comm.hooks import LowRankState, fp16_compress_hook, low_rank_hook
@@ -71,10 +75,14 @@ def handed_to_all_reduce():
         dist.all_reduce = original
 
 
-def train(rank, world, coverage=0.5, strategy="groups", hook=None, state=None, **options):
-    """3 steps of one engine: (plan, [own gradients per step, every rank's], [averaged, every
-    rank's], comm_stats, bytes handed to all_reduce, engine)."""
-    model = make_model()
+def _grad(p):
+    return None if p.grad is None else p.grad.cpu()
+
+
+def train(rank, world, coverage=0.5, strategy="groups", hook=None, state=None, device="cpu", **options):
+    """3 steps of one engine on `device`: (plan, [own gradients per step, every rank's, on the
+    CPU], [averaged, every rank's], comm_stats, bytes handed to all_reduce, engine)."""
+    model = make_model().to(device)
     plan = sx.plan_subnetworks(model, world, coverage, "neuron")
     sdp = sx.SubnetDataParallel(model, plan, bucket_cap_mb=CAP_MB, strategy=strategy, **options)
     if hook is not None:
@@ -83,14 +91,14 @@ def train(rank, world, coverage=0.5, strategy="groups", hook=None, state=None, *
     own, averaged = [], []
     with handed_to_all_reduce() as handed:
         for s in range(STEPS):
-            x, y = batch(rank, s)
+            x, y = (t.to(device) for t in batch(rank, s))
             opt.zero_grad(set_to_none=True)
             with sdp.no_sync():
                 F.cross_entropy(sdp(x), y).backward()
-            mine = to_full(plan, rank, sdp.module, lambda p: p.grad)
+            mine = to_full(plan, rank, sdp.module, _grad)
             opt.zero_grad(set_to_none=True)
             F.cross_entropy(sdp(x), y).backward()
-            averaged.append(to_full(plan, rank, sdp.module, lambda p: p.grad))
+            averaged.append(to_full(plan, rank, sdp.module, _grad))
             own.append(mine)
             opt.step()
     sdp.verify_consistency()  # raises unless every unit's owners hold bit-identical values
@@ -195,7 +203,7 @@ def low_rank_findings(rank, plan, own, averaged, state) -> dict:
                 worst_plain = max(worst_plain, relative(got, plain[step][(b_index, i)]))
                 identical &= all(torch.equal(got, rect(averaged[step][k][p.name], plan, p)) for k in b.owners)
             if approximation_rank(rows, cols, 2, 2.0):
-                worst_error = max(worst_error, relative(memory.errors[j], errors[(b_index, i, rank)]))
+                worst_error = max(worst_error, relative(memory.errors[j].cpu(), errors[(b_index, i, rank)]))
                 j, compressed = j + 1, compressed + 1
     return {"mean": worst, "mean_without_error_feedback": worst_plain, "error": worst_error,
             "owners_identical": identical, "compressed": compressed}
@@ -257,6 +265,16 @@ def _two_ranks(rank, world):
     return out
 
 
+def _two_ranks_on_cuda(rank, world):
+    torch.cuda.set_device(0)  # both ranks share the one GPU (gloo, not NCCL, allows that)
+    plan, own, averaged, _, _, _ = train(rank, world, coverage=1.0, reduce_dtype=torch.bfloat16, device="cuda")
+    out = {"bf16": wire_mismatches(plan, own, averaged, torch.bfloat16, "groups")}
+    state = LowRankState(matrix_rank=2)
+    plan, own, averaged, _, _, _ = train(rank, world, coverage=1.0, hook=low_rank_hook, state=state, device="cuda")
+    out["low_rank"] = low_rank_findings(rank, plan, own, averaged, state)
+    return out
+
+
 @pytest.fixture(scope="module")
 def four():
     return run_distributed(_four_ranks, 4, timeout=600)
@@ -313,3 +331,14 @@ def test_user_hook_is_called_once_per_bucket_with_its_owner_group(four):
         assert out["hook_calls"] == out["hook_expected_calls"], rank
         assert out["hook_equals_default"], rank
         assert out["hook_prediction"] is None  # a function hook that does not say its bytes
+
+
+@needs_cuda
+def test_bf16_wire_and_low_rank_hook_on_cuda_tensors():
+    for rank, out in enumerate(run_distributed(_two_ranks_on_cuda, 2, timeout=300)):
+        assert out["bf16"] == [], (rank, out["bf16"][:5])
+        found = out["low_rank"]
+        assert found["owners_identical"] and found["compressed"] > 0, (rank, found)
+        # The hook's products and orthogonalisation run on the GPU, the reference's on the CPU.
+        assert found["mean"] < 1e-3 and found["error"] < 1e-3, (rank, found)
+        assert found["mean_without_error_feedback"] > 1e-2, (rank, found)

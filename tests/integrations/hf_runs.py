@@ -2,7 +2,8 @@
 torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), as `torchrun
 hf_runs.py` would. accelerate sets up the gloo process group from it.
 
-    python hf_runs.py OUT_DIR
+    python hf_runs.py OUT_DIR          # every rank of the CPU runs (gloo)
+    python hf_runs.py OUT_DIR gpu      # one process on one GPU: SDP at coverage 1 against the plain Trainer
 
 The same script is a Trainer script written for DDP: the SDP runs change the Trainer class
 (SDPTrainer) and nothing else. A tiny LLaMA-style causal LM is built from a config (no download).
@@ -166,13 +167,28 @@ def main(out_dir, out):
     out["evaluate_ensemble"] = ensemble.evaluate()["eval_loss"]
 
 
+def gpu_main(out_dir, out):
+    """One process on one GPU (the process group accelerate makes from torchrun's environment, if
+    any): SDPTrainer at coverage 1 against the plain Trainer, fp32 and bf16 with clipping."""
+    gpu = dict(use_cpu=False)
+    train(Trainer, out, "ddp", arguments(out_dir, "ddp", **gpu))
+    train(SDPTrainer, out, "sdp_c1", arguments(out_dir, "sdp_c1", **gpu), coverage=1.0, level="neuron")
+    clip_bf16 = dict(bf16=True, max_grad_norm=0.5, **gpu)
+    train(Trainer, out, "ddp_bf16", arguments(out_dir, "ddp_bf16", **clip_bf16))
+    train(SDPTrainer, out, "sdp_c1_bf16", arguments(out_dir, "sdp_c1_bf16", **clip_bf16), coverage=1.0)
+    out["backend"] = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
+    out["device"] = str(next(iter(out["sdp_c1_bf16"]["final"].values())).device)
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    out_dir = sys.argv[1]
+    out_dir, mode = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "main")
     results = {}
-    main(out_dir, results)
-    rank = torch.distributed.get_rank()
-    torch.save(results, os.path.join(out_dir, f"main-rank{rank}.pt"))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    (gpu_main if mode == "gpu" else main)(out_dir, results)
+    initialized = torch.distributed.is_initialized()
+    rank = torch.distributed.get_rank() if initialized else 0
+    torch.save(results, os.path.join(out_dir, f"{mode}-rank{rank}.pt"))
+    if initialized:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     print(f"hf runs: rank {rank} done", flush=True)

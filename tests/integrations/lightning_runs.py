@@ -3,6 +3,7 @@
 
     python lightning_runs.py OUT_DIR main      # 2 processes: DDP references and SDP runs
     python lightning_runs.py OUT_DIR resume    # 1 process: resume main's checkpoint on world size 1
+    python lightning_runs.py OUT_DIR gpu       # 1 process on one GPU (NCCL): SDP at coverage 1 against DDP
 
 Every Trainer of a mode runs in the same processes, one after the other (Lightning keeps the
 process group between them), so the processes start once. Each rank saves what it recorded to
@@ -292,11 +293,26 @@ def resume_runs(out_dir, out):
         ckpt_path=os.path.join(out_dir, "ckpts", "epoch=0.ckpt"), callbacks=[Loaded()], accumulate_grad_batches=2)
 
 
+def gpu_runs(out_dir, out):
+    """1 process on one GPU, Lightning's DDP and SDPStrategy over NCCL (world size 1): coverage 1
+    against DDP, fp32 (neuron level forward, block level backward with clipping) and bf16-mixed."""
+    gpu = dict(accelerator="gpu", devices=1, accumulate_grad_batches=2)
+    fit("ddp", out, "ddp", **gpu)
+    fit(SDPStrategy(coverage=1.0, level="neuron", regime="forward"), out, "sdp_neuron_forward", **gpu)
+    fit("ddp", out, "ddp_clip", gradient_clip_val=0.05, **gpu)
+    fit(SDPStrategy(coverage=1.0, level="block", regime="backward"), out, "sdp_block_backward_clip",
+        gradient_clip_val=0.05, **gpu)
+    fit("ddp", out, "ddp_bf16", precision="bf16-mixed", **gpu)
+    fit(SDPStrategy(coverage=1.0, level="neuron"), out, "sdp_bf16", precision="bf16-mixed", **gpu)
+    out["backend"] = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
+    out["device"] = str(next(iter(out["sdp_bf16"]["final"].values())).device)
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     out_dir, mode = sys.argv[1], sys.argv[2]
     results = {}
-    (main_runs if mode == "main" else resume_runs)(out_dir, results)
+    {"main": main_runs, "resume": resume_runs, "gpu": gpu_runs}[mode](out_dir, results)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     torch.save(results, os.path.join(out_dir, f"{mode}-rank{rank}.pt"))
     if torch.distributed.is_initialized():

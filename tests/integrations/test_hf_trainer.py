@@ -6,11 +6,13 @@ changes: gradient accumulation, max_grad_norm, bf16, evaluation during training,
 resume and save_model. The references are independent of SDP: the plain Trainer's DDP runs,
 the trained model evaluated after training, `AutoModelForCausalLM.from_pretrained` on what was
 saved, a one-process emulation of the ranks' subnetworks (subnet_reference.py) and counts of
-all-reduces made at torch.distributed.
+all-reduces made at torch.distributed. On a GPU (`cuda` mark) the same script's gpu mode runs one
+process on the GPU: SDPTrainer at coverage 1 against the plain Trainer there.
 """
 import pytest
 import torch
 
+from gpu_marks import needs_cuda
 from integration_launch import load_ranks, require_extra, run_ranks
 
 require_extra(("transformers", "accelerate", "safetensors"), "hf")
@@ -139,3 +141,17 @@ def test_fp16_loss_scaler_skips_on_every_rank(runs):
     for run in ranks:
         changed = [not torch.equal(run["embedding"][i], run["embedding"][i - 1]) for i in range(1, 6)]
         assert changed == [True, False, True, True, True], changed
+
+
+@needs_cuda
+def test_one_gpu_process_equals_the_plain_trainer(tmp_path):
+    """Coverage 1 in one process on the GPU: the plain Trainer's losses, gradient norms and final
+    weights, fp32 and bf16 with clipping (GEMMs on the GPU may add in other orders)."""
+    run_ranks("hf_runs.py", [tmp_path, "gpu"], world_size=1, timeout=85, log_dir=tmp_path)
+    run = load_ranks(tmp_path, "gpu", 1)[0]
+    assert run["device"].startswith("cuda"), run["device"]
+    for sdp, plain, rel in (("sdp_c1", "ddp", 1e-5), ("sdp_c1_bf16", "ddp_bf16", 2e-2)):
+        assert run[sdp]["loss"] == pytest.approx(run[plain]["loss"], rel=rel), sdp
+        assert run[sdp]["grad_norm"] == pytest.approx(run[plain]["grad_norm"], rel=10 * rel), sdp
+        diff = max((run[sdp]["final"][k].float() - v.float()).abs().max().item() for k, v in run[plain]["final"].items())
+        assert diff < 50 * rel, (sdp, diff)

@@ -6,12 +6,14 @@ under SDPStrategy, in 2 gloo processes (the script re-run by Lightning's popen l
 resumes a checkpoint in 1 process. The references are independent of SDP: DDPStrategy's runs,
 the plain module after fitting evaluated under DDP, a one-process emulation of each rank's
 subnetwork (subnet_reference.py), counts of all-reduces made at torch.distributed, and the
-checkpoint files themselves.
+checkpoint files themselves. On a GPU (`cuda` mark) the same script's gpu mode trains on one
+GPU under Lightning's NCCL group: SDP at coverage 1 against DDP there.
 """
 import pytest
 import torch
 import torch.nn.functional as F
 
+from gpu_marks import needs_cuda
 from integration_launch import check_done, load_ranks, require_extra, run_script
 
 require_extra(("lightning",), "lightning")
@@ -225,3 +227,16 @@ def test_lightning_module_of_pre_ln_blocks_plans_and_trains_at_block_level(runs)
             for name, p in model.named_parameters():
                 p.copy_(expected[name])
     assert _max_diff(ranks[0]["final"], model.state_dict()) < 1e-5
+
+
+@needs_cuda
+def test_one_gpu_under_nccl_equals_ddp(tmp_path):
+    """Coverage 1 on one GPU computes DDP's updates: every logged loss and the final weights, fp32
+    with and without clipping, and bf16-mixed (GEMMs on the GPU may add in other orders)."""
+    check_done(run_script("lightning_runs.py", [tmp_path, "gpu"], timeout=85), "the 1-GPU Lightning runs")
+    run = load_ranks(tmp_path, "gpu", 1)[0]
+    assert run["backend"] == "nccl" and run["device"].startswith("cuda"), (run["backend"], run["device"])
+    for sdp, ddp, rel in (("sdp_neuron_forward", "ddp", 1e-5), ("sdp_block_backward_clip", "ddp_clip", 1e-5),
+                          ("sdp_bf16", "ddp_bf16", 2e-2)):
+        assert run[sdp]["train_loss"] == pytest.approx(run[ddp]["train_loss"], rel=rel), sdp
+        assert _max_diff(run[sdp]["final"], run[ddp]["final"]) < 50 * rel, sdp

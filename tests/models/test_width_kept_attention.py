@@ -18,7 +18,8 @@ c_proj):
   runs every row) it equals torch DDP bit for bit (every loss, the final state);
 - a module that computes its kept heads neither sliced nor width-kept (it applies its
   projection's weight itself) is refused by name, the model unchanged;
-- on a GPU (`cuda` mark): the width-kept attention through the masked op's CUDA kernels.
+- on a GPU (`cuda` mark): the width-kept attention on its run path (owned heads are runs:
+  GEMMs into column slices) and, with that path turned off, through the masked op's CUDA kernels.
 """
 import copy
 import math
@@ -270,13 +271,20 @@ def test_two_ranks_train_assemble_close_and_equal_ddp_at_coverage_one():
 
 
 @needs_cuda
-def test_width_kept_attention_on_cuda():
-    """The same width-kept attention with its weights and inputs on the GPU (the masked op's CUDA kernels)."""
+@pytest.mark.parametrize("path", ["runs", "masked"])
+def test_width_kept_attention_on_cuda(path, monkeypatch):
+    """The same width-kept attention with its weights and inputs on the GPU: on the run path
+    (engine/width_kept_runs.py) and, with it turned off, through the masked op's CUDA kernels."""
+    from subnet_ext.engine import width_kept_runs
+
+    if path == "masked":
+        monkeypatch.setattr(width_kept_runs, "MIN_MEAN_RUN", 10**9)
     full = tiny_gpt().cuda()
     plan = plan_quietly(full, 2, 0.5)
     sdp = sx.SubnetDataParallel(copy.deepcopy(full), plan, regime="forward", simulate_rank=0)
     heads = owned_heads(plan, 0, "h.0.attn")
     assert "h.0.attn" in sdp.width_kept
+    assert (sdp.module.h[0].attn.c_attn.runs is not None) == (path == "runs")
     x = torch.randn(3, 7, EMBD, device="cuda", generator=torch.Generator("cuda").manual_seed(5))
     seen = []
     attn = sdp.module.h[0].attn

@@ -10,7 +10,7 @@ import torch
 import subnet_ext as sx
 from gpu_marks import needs_cuda, needs_two_gpus
 from subnet_ext import reference as ref
-from subnet_ext.testing import DEVICES, DTYPES, assert_close_to_reference, max_grid_blocks
+from subnet_ext.testing import DEVICES, DTYPES, assert_close_to_reference, kernel_path_count, max_grid_blocks
 
 OUT, IN = 24, 20
 
@@ -558,26 +558,83 @@ def test_cuda_misaligned_contiguous_operands(dtype):
     assert (out_flat[:3] == 5).all()
 
 
+# Cycles of torch.cuda._sleep: tens of milliseconds at the H200's clocks, far longer than any launch here.
+SIDE_STREAM_DELAY = 50_000_000
+
+
 @needs_cuda
 def test_cuda_side_stream():
-    """Every launch goes to the current stream: results computed on a side stream are
-    complete once that stream is synchronised."""
+    """Every launch goes to the current stream. The side stream first sleeps, then writes the
+    operands over their NaN fill, then runs forward, backward and the weight gradient into a
+    buffer: a kernel launched on any other stream would run during the sleep and read NaN
+    (or, launched late, write after the side stream's synchronize), so the results below, read
+    once the side stream alone is synchronised, would not match the reference."""
     gen = torch.Generator().manual_seed(7)
-    n, width = 4096, 300
-    x = torch.randn(n, width, generator=gen).cuda()
-    w = torch.randn(width, width, generator=gen).cuda()
-    b = torch.randn(width, generator=gen).cuda()
+    n, width = 4096, 304  # 16-byte rows: the vector gathers and scatters run too
+    sources = [torch.randn(n, width, generator=gen), torch.randn(width, width, generator=gen),
+               torch.randn(width, generator=gen), torch.randn(n, 100, generator=gen)]
+    x_src, w_src, b_src, g_src = (t.cuda() for t in sources)
     oi = torch.randperm(width, generator=gen)[:100].cuda()
     ii = torch.randperm(width, generator=gen)[:120].cuda()
+    x, w, b, g = (torch.full_like(t, float("nan")) for t in (x_src, w_src, b_src, g_src))
+    grad_block = torch.full((100, 120), float("nan"), device="cuda")
     torch.cuda.synchronize()
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
+        torch.cuda._sleep(SIDE_STREAM_DELAY)
+        for dst, src in ((x, x_src), (w, w_src), (b, b_src), (g, g_src)):
+            dst.copy_(src)
         y = sx.masked_linear(x, w, b, oi, ii, scatter_width=width, check_indices=False)
-        gx, gw, gb = sx.masked_linear_backward(y[:, oi].contiguous(), x, w, oi, ii, check_indices=False)
+        gx, gw, gb = sx.masked_linear_backward(g, x, w, oi, ii, check_indices=False)
+        sx.masked_linear_grad_weight_(grad_block, g, x, oi, ii, check_indices=False)
     side.synchronize()
-    torch.testing.assert_close(y, ref.masked_linear(x, w, b, oi, ii, scatter_width=width), rtol=1e-4, atol=1e-4)
-    for a, e in zip((gx, gw, gb), ref.masked_linear_backward(y[:, oi].contiguous(), x, w, oi, ii)):
+    torch.testing.assert_close(y, ref.masked_linear(x_src, w_src, b_src, oi, ii, scatter_width=width),
+                               rtol=1e-4, atol=1e-4)
+    expected = ref.masked_linear_backward(g_src, x_src, w_src, oi, ii)
+    for a, e in zip((gx, gw, gb, grad_block), (*expected, expected[1])):
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-3)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_vector_paths_run_where_rows_align(dtype):
+    """Which kernel ran, not only what it computed (testing.kernel_path_count): 16-byte aligned
+    rows (width 304 and 152 kept columns, multiples of 16 bytes for every dtype) take the
+    vector gather of whole rows and of columns and the vector scatter, and no element kernel;
+    width 301 with 151 and 149 kept takes the element kernels only. The results match the
+    reference either way."""
+    gen = torch.Generator().manual_seed(8)
+    paths = ("gather_rows_vector", "gather_columns_vector", "gather_elements", "scatter_columns_vector",
+             "scatter_columns_elements")
+    ran = {}
+    for width, kept_out, kept_in in ((304, 152, 152), (301, 151, 149)):
+        x = torch.randn(257, width, generator=gen).to("cuda", dtype)
+        w = torch.randn(width, width, generator=gen).to("cuda", dtype)
+        b = torch.randn(width, generator=gen).to("cuda", dtype)
+        oi = torch.randperm(width, generator=gen)[:kept_out].cuda()
+        ii = torch.randperm(width, generator=gen)[:kept_in].cuda()
+        before = {p: kernel_path_count(p) for p in paths}
+        y, _, _ = torch.ops.subnet_ext.masked_linear_forward(x, w, b, oi, ii, False, width)  # column gathers, scatter
+        rows = sx.masked_linear(x, w, b, oi, None)  # whole weight rows gathered
+        torch.cuda.synchronize()
+        ran[width] = {p: kernel_path_count(p) - before[p] for p in paths}
+        torch.testing.assert_close(y.double(), ref.masked_linear(x.double(), w.double(), b.double(), oi, ii,
+                                                                 scatter_width=width), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(rows.double(), ref.masked_linear(x.double(), w.double(), b.double(), oi),
+                                   rtol=2e-2, atol=2e-2)
+    vector, element = ran[304], ran[301]
+    assert vector["gather_rows_vector"] >= 1 and vector["gather_columns_vector"] >= 2, vector  # x and the weight
+    assert vector["scatter_columns_vector"] == 1 and vector["gather_elements"] == 0, vector
+    assert vector["scatter_columns_elements"] == 0, vector
+    assert element["gather_elements"] >= 3 and element["scatter_columns_elements"] == 1, element
+    assert not any(element[p] for p in paths if p.endswith("vector")), element
+
+
+def test_kernel_path_count_names_the_paths():
+    """The counter op exists in every build (CPU ones too); an unknown path is refused by name."""
+    assert kernel_path_count("segments_vector") >= 0
+    with pytest.raises(ValueError, match="unknown kernel path 'gather_vector'; the paths are: gather_rows_vector"):
+        kernel_path_count("gather_vector")
 
 
 @needs_two_gpus

@@ -10,7 +10,7 @@ import subnet_ext as sx
 from gpu_marks import needs_cuda, needs_two_gpus
 from subnet_ext import reference as ref
 from subnet_ext.ops import PreparedSegments
-from subnet_ext.testing import DEVICES, DTYPES
+from subnet_ext.testing import DEVICES, DTYPES, kernel_path_count
 
 SHAPES = [(13, 7), (40,), (), (6, 3, 5), (2, 4, 3, 3), (300, 257)]
 
@@ -381,7 +381,9 @@ def _round_trip_exact(tensors, rects, start=0, scale=0.5):
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64, torch.float32])
 def test_cuda_vector_paths(dtype):
-    """16-byte aligned tensors, buffer offsets and column ranges: the vectorised path."""
+    """16-byte aligned tensors, buffer offsets and column ranges: the vectorised path, and
+    it is the path that ran (testing.kernel_path_count: every segment of the pack's and of
+    the unpack's work table moved in vectors); misaligned buffer offsets: the element path."""
     lanes = 16 // torch.empty(0, dtype=dtype).element_size()
     gen = torch.Generator().manual_seed(11)
     tensors = [torch.randn(64, 8 * lanes, generator=gen).to("cuda", dtype),
@@ -391,8 +393,42 @@ def test_cuda_vector_paths(dtype):
     rects = [(0, 3, 60, 2 * lanes, 6 * lanes),   # partial width, vector-aligned columns
              (1, 0, 33, 0, 4 * lanes),           # whole rows: one run
              (2, 100, 1000, 0, 2 * lanes)]
-    _round_trip_exact(tensors, rects, start=lanes)  # vector-aligned buffer offsets
-    _round_trip_exact(tensors, rects, start=1)      # misaligned offsets: element path
+    for start, path in ((lanes, "segments_vector"), (1, "segments_elements")):  # aligned, then misaligned offsets
+        before = {p: kernel_path_count(p) for p in ("segments_vector", "segments_elements")}
+        _round_trip_exact(tensors, rects, start=start)
+        ran = {p: kernel_path_count(p) - n for p, n in before.items()}
+        assert ran == {p: 2 * len(rects) if p == path else 0 for p in before}, (start, ran)
+
+
+@needs_cuda
+def test_cuda_pack_and_unpack_on_a_side_stream():
+    """Every launch (and the work table's upload) on the current stream: the side stream sleeps,
+    then writes the tensors over their NaN fill, packs, and unpacks another buffer; a launch or
+    upload on another stream would run during the sleep and move NaN or a stale table."""
+    gen = torch.Generator().manual_seed(14)
+    sources = [torch.randn(512, 64, generator=gen).cuda(), torch.randn(300, 37, generator=gen).cuda()]
+    tensors = [torch.full_like(t, float("nan")) for t in sources]
+    rects = [(0, 0, 512, 0, 64), (1, 3, 290, 1, 30)]
+    segments, n = sx.segment_table(rects)
+    buffer = torch.full((n,), float("nan"), device="cuda")
+    incoming_src = torch.randn(n, generator=gen).cuda()
+    incoming = torch.full_like(incoming_src, float("nan"))
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # tens of milliseconds
+        for dst, src in zip(tensors, sources):
+            dst.copy_(src)
+        incoming.copy_(incoming_src)
+        sx.pack_segments(tensors, segments, buffer)
+        sx.unpack_average_(tensors, segments, incoming, [0.5, 0.25])
+    side.synchronize()
+    torch.testing.assert_close(buffer, ref.pack_segments(sources, segments, torch.zeros(n, device="cuda")),
+                               rtol=0, atol=0)
+    expected = [t.clone() for t in sources]
+    ref.unpack_average_(expected, segments, incoming_src, [0.5, 0.25])
+    for got, want in zip(tensors, expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 @needs_cuda

@@ -43,6 +43,7 @@ def main(argv=None):
     parser.add_argument("--only", default=None, help="run only surfaces whose name contains this")
     args = parser.parse_args(argv)
     os.environ.setdefault("SUBNET_EXT_FUZZ_EXAMPLES", "10000")
+    os.environ.setdefault("SUBNET_EXT_FUZZ_RANDOM", "1")  # new examples each run (the tests draw fixed ones)
     examples = int(os.environ["SUBNET_EXT_FUZZ_EXAMPLES"])
     tests = os.path.join(ROOT, "tests")
     sys.path[:0] = [os.path.join(tests, "planning"), os.path.join(tests, "ops"), tests]  # the fuzzers, their harness

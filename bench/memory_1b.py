@@ -53,6 +53,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from subnet_ext.vocabulary import LEVELS
+
 import provenance
 
 WITHIN = 0.10  # the memory model's tested accuracy (planning/budget.py MARGIN)
@@ -88,7 +90,7 @@ ROWS = ([Row("ddp"), Row("sdp", "block", "forward", 0.5), Row("sdp", "neuron", "
          Row("ddp", checkpointing=True), Row("sdp", "block", "forward", 0.5, True),
          Row("sdp", "neuron", "forward", 0.5, True), Row("sdp", "block", "forward", 0.25),
          Row("sdp", "neuron", "forward", 0.25)]
-        + [Row("sdp", level, "backward", c) for c in (0.5, 0.25) for level in ("block", "neuron")])
+        + [Row("sdp", level, "backward", c) for c in (0.5, 0.25) for level in LEVELS])
 
 
 def model_config(size: str):
@@ -288,7 +290,7 @@ def verdicts(results: dict) -> list[str]:
     out = [f"memory model within {WITHIN:.0%} of the measured peak: {len(ran) - len(off)} of {len(ran)} rows"
            + (f" ({'PASS' if not off else 'FAIL'}{': ' + ', '.join(off) if off else ''})" if ran else "")]
     ddp = ran.get(Row("ddp").name)
-    for level in ("block", "neuron"):
+    for level in LEVELS:
         sdp = ran.get(Row("sdp", level, "forward", 0.5).name)
         if ddp and sdp:
             out.append(f"sdp {level}/forward C=0.5 peak {sdp['measured']['peak'] / ddp['measured']['peak'] - 1:+.1%} "

@@ -28,6 +28,8 @@ import time
 
 import torch
 
+from subnet_ext.vocabulary import LEVELS
+
 import provenance
 
 VARIANTS = ("separate", "folded", "clip only")
@@ -145,7 +147,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="small", help="llama preset (default: small)")
     p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--level", default="neuron", choices=("block", "neuron"))
+    p.add_argument("--level", default="neuron", choices=LEVELS)
     p.add_argument("--coverage", type=float, default=0.5)
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=64)

@@ -20,6 +20,8 @@ import statistics
 import sys
 import time
 
+from subnet_ext.vocabulary import LEVELS, REGIMES
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # provenance; also in spawned ranks
 
@@ -86,8 +88,8 @@ def main(argv=None) -> int:
     data = data_path(opts.data)
     started, load_before = time.time(), provenance.load()
     rows = []
-    for level in ("block", "neuron"):
-        for regime in ("forward", "backward"):
+    for level in LEVELS:
+        for regime in REGIMES:
             found = run_distributed(_worker, 4, level, regime, opts.rounds, opts.steps, data, timeout=3600)[0]
             static = found[0]["times"]
             for every in EVERY:

@@ -22,6 +22,7 @@ import time
 import torch
 
 from subnet_ext.cli.methods import proc_status_bytes
+from subnet_ext.vocabulary import LEVELS, REGIMES
 
 
 def _peak_start(device):
@@ -97,8 +98,8 @@ def main(argv=None) -> int:
     p.add_argument("--world-size", type=int, default=8)
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--coverage", type=float, default=0.25)
-    p.add_argument("--level", default="block", choices=("block", "neuron"))
-    p.add_argument("--regime", default="forward", choices=("forward", "backward"))
+    p.add_argument("--level", default="block", choices=LEVELS)
+    p.add_argument("--regime", default="forward", choices=REGIMES)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=1024)

@@ -153,6 +153,8 @@ def decision_table(rows: list[dict]) -> list[str]:
 def _seeds_text(seeds, tasks) -> str:
     if isinstance(seeds, dict):
         return ", ".join(f"{len(v)} seeds on {t}" for t, v in seeds.items() if t in tasks)
+    if seeds is None:  # a report of results whose run did not finish (no study-run.json yet)
+        return "the seeds of its results"
     return f"{len(seeds)} seeds"
 
 

@@ -18,7 +18,7 @@ import statistics
 
 from .analysis import analyse, nan_to_none
 from .results import PROTOCOL_TITLES, Results
-from .runs import EQUIVALENCE_MARGIN, MAIN_K, MAIN_TASK, MEMORY_TASK
+from .runs import EQUIVALENCE_MARGIN, LEVELS, MAIN_K, MAIN_TASK, MEMORY_TASK, SCHEDULES, best_schedules, schedule_name
 from .stats import describe
 
 MIB = 2 ** 20
@@ -278,6 +278,29 @@ def memory_table(res: Results, task: str) -> str:
     return "\n".join(lines)
 
 
+def schedules_table(per_seed: dict) -> str:
+    """The ownership schedules of the sweep beside their level's static run: full-model loss at equal tokens
+    (mean ± std over seeds) and its difference to the static run's mean; the best of each level, when it
+    beats the static run, marked (runs.best_schedules: what BEST_SCHEDULES must be)."""
+    chosen = {schedule_name(*e) for e in best_schedules(per_seed)}
+    lines = ["| level | run | assignment | full model loss | − static | seeds | chosen |", "|---|---|---|---|---|---|---|"]
+    for level in LEVELS:
+        static = f"sdp-{level}-forward-c0.5"
+        rows = [(static, "static, balanced")] + [(schedule_name(*e), f"{e[1]} every {e[2]}, {e[3]}" if e[1] != "static"
+                                                  else f"static, {e[3]}") for e in SCHEDULES if e[0] == level]
+        base = per_seed.get(f"K{MAIN_K}/{static}", {}).get("tokens", {}).get("full", {})
+        base_mean = statistics.mean(base.values()) if base else None
+        for name, what in rows:
+            values = list(per_seed.get(f"K{MAIN_K}/{name}", {}).get("tokens", {}).get("full", {}).values())
+            if not values:
+                continue
+            sd = statistics.stdev(values) if len(values) > 1 else float("nan")
+            delta = "—" if name == static or base_mean is None else f"{statistics.mean(values) - base_mean:+.3f}"
+            lines.append(f"| {level} | `{name}` | {what} | {pm(statistics.mean(values), sd)} | {delta} | {len(values)} | "
+                         f"{'**yes**' if name in chosen else ''} |")
+    return "\n".join(lines)
+
+
 def anchor_table(anchor: dict) -> str:
     """The recipe as published and the study's DDP against nanoGPT's figure."""
     lines = ["| run | validation loss (mean ± std) | seeds | range | mean minus nanoGPT's | within the tolerance |",
@@ -343,6 +366,12 @@ def write_report(out: str, doc: str, record_path: str, blocks: dict | None = Non
         if path:
             parts += [f"![{os.path.basename(path)}]({os.path.relpath(path, os.path.dirname(doc) or '.')})", ""]
     parts += [verdict_section(analyses, summary, costs)]
+    if res.runs and any(schedule_name(*e) in res.names(MAIN_TASK, MAIN_K) for e in SCHEDULES):
+        per_seed = summary["tasks"].get(MAIN_TASK, {}).get("per_seed", {})
+        parts += ["## Ownership that moves: the best schedule of each level", "",
+                  "Equal tokens, forward regime, C = 0.5. A level's best schedule is kept (bench/study/runs.py "
+                  "BEST_SCHEDULES, which a test checks against this file's summary.json) when its mean beats the "
+                  "level's static run; the full study then trains it on every seed.", "", schedules_table(per_seed), ""]
     if MEMORY_TASK in res.tasks():
         parts += [f"## Memory a user would recognise ({MEMORY_TASK})", "", memory_table(res, MEMORY_TASK), ""]
     sections, written = _task_sections(res, analyses, folder, doc, costs)

@@ -37,6 +37,8 @@ from __future__ import annotations
 import math
 import os
 
+from subnet_ext.vocabulary import LEVELS, REGIMES
+
 # Sizes. "full" is `make study` (2 CPU cores, <= 150 min); "quick" its reduced form, which CI runs
 # (<= 3 min): the whole pipeline at a few steps; "cuda" the same study, one GPU per rank.
 _RECIPE = dict(model="gpt", data="shakespeare", seq_len=64, batch_size=3, lr=1e-3, min_lr=1e-4, beta2=0.99,
@@ -72,7 +74,7 @@ MAX_EXTENSION = 10  # no mark beyond 10 x `steps` (flagged "capped")
 # within which our DDP must reproduce nanoGPT's published loss, and a difference a user of this benchmark
 # would call "the same quality". Used only where a family's seeds can support it (stats.py).
 EQUIVALENCE_MARGIN = 0.05
-LEVELS, REGIMES, COVERAGES = ("block", "neuron"), ("forward", "backward"), (0.5, 0.25)
+COVERAGES = (0.5, 0.25)
 # Ownership that moves (planning/schedule.py), block and neuron level, forward regime, C = 0.5, the "schedules"
 # profile's sweep: (level, assignment, reassign_every, block_assignment). Neuron-level redraw every step
 # is left out: a redraw scatters a group's units into hundreds of pieces, and rebuilding that every step costs
@@ -118,6 +120,29 @@ def schedule_name(level: str, assignment: str, every: int, block_assignment: str
     suffix = "" if assignment == "static" else f"-{assignment}{every}"
     suffix += "-contig" if block_assignment == "contiguous" else ""
     return f"sdp-{level}-forward{suffix}-c0.5"
+
+
+def best_schedules(per_seed: dict, k: int = MAIN_K) -> tuple:
+    """The best SCHEDULES entry of each level at equal tokens (the lowest mean full-model loss over the
+    seeds), kept only where it beats that level's static run (forward regime, C = 0.5): what BEST_SCHEDULES
+    must be, read off a sweep's summary.json (`per_seed` of the main task). A level without every one of
+    its runs measured gives nothing."""
+    def mean_loss(name):
+        seeds = per_seed.get(f"K{k}/{name}", {}).get("tokens", {}).get("full", {})
+        values = [v for v in seeds.values() if v is not None]
+        return sum(values) / len(values) if values else None
+
+    best = []
+    for level in LEVELS:
+        entries = [e for e in SCHEDULES if e[0] == level]
+        losses = {e: mean_loss(schedule_name(*e)) for e in entries}
+        static = mean_loss(f"sdp-{level}-forward-c0.5")
+        if static is None or any(v is None for v in losses.values()):
+            continue
+        entry = min(losses, key=losses.get)
+        if losses[entry] < static:
+            best.append(entry)
+    return tuple(best)
 
 
 def _schedule_runs(task, k, seed, levels, schedules) -> list[dict]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 from .analysis import KEEP_MODES, is_sdp
+from .decision import fmt_delta
 from .results import PROTOCOL_TITLES
 from .stats import describe
 
@@ -108,8 +109,7 @@ def decision_lines(rows: list[dict]) -> list[str]:
                 why.append(f"at {PROTOCOL_TITLES[p]} no SDP run fits")
             elif c["delta"] is not None:
                 why.append(f"at {PROTOCOL_TITLES[p]} the best SDP run `{c['sdp']['run']}` minus `{c['other']['run']}` "
-                           f"Δ {c['delta']['mean']:+.3f} [{c['delta']['lo']:+.3f}, {c['delta']['hi']:+.3f}] "
-                           f"({c['delta']['label']})")
+                           f"Δ {fmt_delta(c['delta'])}")
         lines.append(f"within {row['budget']:.2f}× DDP's memory: use `{row['use']}`; " + "; ".join(why) + ".")
     return lines
 

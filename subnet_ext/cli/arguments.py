@@ -9,8 +9,7 @@ import os
 from ..planning.buckets import DEFAULT_BUCKET_CAP_MB
 from .launch import choose_backend
 from .training import DECAY_CHOICES
-from ..planning.assign import BLOCK_ASSIGNMENTS
-from ..planning.schedule import ASSIGNMENTS
+from ..vocabulary import ASSIGNMENTS, BLOCK_ASSIGNMENTS, LEVELS, REGIMES
 
 METHODS = ("ddp", "fsdp", "sdp")
 MODELS = ("mlp", "resnet", "llama", "gpt")  # and hf:DIR, a transformers causal LM's folder
@@ -115,9 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_sdp_args(p: argparse.ArgumentParser) -> None:
     """The SDP options (SDP_ONLY are refused with another --method)."""
     sdp = p.add_argument_group("SDP")
-    sdp.add_argument("--level", choices=("block", "neuron"), default="block",
+    sdp.add_argument("--level", choices=LEVELS, default="block",
                      help="unit: whole residual blocks, or neurons, attention heads and conv channels")
-    sdp.add_argument("--regime", choices=("forward", "backward"), default="forward",
+    sdp.add_argument("--regime", choices=REGIMES, default="forward",
                      help="forward: each rank runs only its subnetwork; backward: the full forward, gradients and "
                           "optimizer state only for the owned units")
     sdp.add_argument("--coverage", type=_coverage, default=0.5,
@@ -181,6 +180,7 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Rejects values argparse's types cannot, with the value in the message."""
+    # why one function: one check per option, read top to bottom, each error naming its option
     coverages = args.coverage if isinstance(args.coverage, (list, tuple)) else [args.coverage]
     if not all(0.0 < c <= 1.0 for c in coverages):
         p.error(f"--coverage must be in (0, 1] (each value of a list), got {args.coverage}")

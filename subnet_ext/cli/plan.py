@@ -25,6 +25,7 @@ from ..models import GPT_PRESETS, LLAMA_PRESETS, build_model
 from ..planning.budget import NoConfigurationFits, plan_for_memory
 from ..planning.plan import plan_subnetworks
 from ..planning.sizes import format_size, parse_size
+from ..vocabulary import LEVELS, REGIMES
 
 MIB = 2 ** 20
 
@@ -39,8 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--width", type=int, default=None, help="mlp/resnet width")
     p.add_argument("--world-size", type=int, default=8)
     p.add_argument("--coverage", type=float, default=0.5)
-    p.add_argument("--level", choices=("block", "neuron"), default="block")
-    p.add_argument("--regime", choices=("forward", "backward"), default="forward")
+    p.add_argument("--level", choices=LEVELS, default="block")
+    p.add_argument("--regime", choices=REGIMES, default="forward")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--seq-len", type=int, default=64, help="llama, gpt: tokens in the traced sample (FLOPs)")
     p.add_argument("--json", default=None, help="also write the plan as JSON to this path")

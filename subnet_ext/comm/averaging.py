@@ -15,7 +15,7 @@ backward's state (which buckets still wait for gradients, which were issued) is 
 
 Each bucket has one persistent buffer (like DDP's) in the dtype of its pieces, reused for
 gradients and, with sync_every > 1, for parameters. Where each piece lives is handed over
-once, at construction, as PiecePlace tables (places.py): the averager calls nothing above
+once, at construction, as HeldPiece tables (places.py): the averager calls nothing above
 comm.
 
 Gradients keep their addresses for the life of the engine, so the prepared segment
@@ -42,9 +42,10 @@ from torch.autograd import Variable
 from .. import ops
 from ..planning.buckets import Bucket
 from ..planning.pieces import Piece
-from .communicator import Communicator, Quantity
-from .places import PiecePlace, area
-from .prepared import PreparedTables
+from .communicator import Communicator
+from ..vocabulary import Quantity
+from .places import HeldPiece, area
+from .prepared import PreparedTables, piece_table
 from .reduction import AllReduce, CommBucket, Reduction
 
 
@@ -147,7 +148,7 @@ class BucketedAverager:
         rank: this rank in the plan's numbering.
         communicator: issues (or simulates) the collectives and counts them.
         device: where the buffers live.
-        places: {piece: PiecePlace} for every piece this rank holds (places.py; the engine
+        places: {piece: HeldPiece} for every piece this rank holds (places.py; the engine
             builds it from the rank's layout): where each piece's value lives, and for an
             owned parameter piece the Parameter whose gradient carries it.
         overlap: issue a bucket during the backward as soon as it is ready.
@@ -162,7 +163,7 @@ class BucketedAverager:
     """
 
     def __init__(self, buckets: list[Bucket], rank: int, communicator: Communicator, device: torch.device,
-                 places: Mapping[Piece, PiecePlace], overlap: bool = True, reduction: Reduction | None = None):
+                 places: Mapping[Piece, HeldPiece], overlap: bool = True, reduction: Reduction | None = None):
         self.comm, self.device, self.overlap = communicator, device, overlap
         self.enabled = True  # False inside no_sync(): backward passes only accumulate
         self.listeners = []  # called at each report of a synchronising backward (the leader's buffers)
@@ -256,24 +257,17 @@ class BucketedAverager:
         place = self.places[piece]
         if quantity is Quantity.GRADIENTS and place.param is not None:
             return self._home(place.param), place.grad_rect
-        return place.value, place.value_rect
+        return place.tensor, place.local
 
     def _segments(self, s: _BucketState, quantity: Quantity, averaged: bool):
         """(local tensors, segment table, unpack scales) of the held pieces' `quantity`. Static
         per (quantity, whether the reduction leaves the group's mean), so built once."""
         key = (quantity, averaged)
         if key not in s.tables:
-            tensor_pieces, tensor_index, rows, scales = [], {}, [], []
-            for p, off in s.held:
-                if quantity is Quantity.GRADIENTS and p in s.in_place:
-                    continue  # already in the buffer: neither packed nor copied back
-                tensor, (r0, r1, c0, c1) = self._where(p, quantity)
-                if id(tensor) not in tensor_index:
-                    tensor_index[id(tensor)] = len(tensor_pieces)
-                    tensor_pieces.append(p)
-                rows.append((tensor_index[id(tensor)], r0, r1, c0, c1, off))
-                scales.append(s.scale(p, averaged, self.comm.simulated))
-            table = torch.tensor(rows, dtype=torch.int64) if rows else torch.empty(0, 6, dtype=torch.int64)
+            # Already in the buffer (gradients written in place): neither packed nor copied back.
+            held = [(p, off) for p, off in s.held if not (quantity is Quantity.GRADIENTS and p in s.in_place)]
+            tensor_pieces, table = piece_table([(p, *self._where(p, quantity), off) for p, off in held])
+            scales = [s.scale(p, averaged, self.comm.simulated) for p, _ in held]
             s.tables[key] = (tensor_pieces, table, torch.tensor(scales, dtype=torch.float32))
         tensor_pieces, table, scales = s.tables[key]
         return [self._where(p, quantity)[0] for p in tensor_pieces], table, scales

@@ -26,7 +26,7 @@ from torch.autograd import Variable
 from ..planning.pieces import Piece, full_rectangle
 from ..planning.plan import SubnetPlan
 from .communicator import Communicator
-from .places import PiecePlace, area
+from .places import HeldPiece, area
 
 
 class LeaderBuffers:
@@ -35,12 +35,12 @@ class LeaderBuffers:
     Args:
         plan: the SubnetPlan (the slots are laid out from it alone, the same on every rank).
         pieces: the plan's pieces in the global order (global_pieces(plan)).
-        places: {piece: PiecePlace} of the pieces this rank holds (RankLayout.averaging_places()).
+        places: {piece: HeldPiece} of the pieces this rank holds (RankLayout.averaging_places()).
         rank: this rank; comm: the engine's Communicator (its group of all the plan's ranks).
         device: where the collective's buffer lives.
     """
 
-    def __init__(self, plan: SubnetPlan, pieces: list[Piece], places: Mapping[Piece, PiecePlace], rank: int,
+    def __init__(self, plan: SubnetPlan, pieces: list[Piece], places: Mapping[Piece, HeldPiece], rank: int,
                  comm: Communicator, device: torch.device):
         self.rank, self.world, self.comm, self.device = rank, tuple(range(plan.world_size)), comm, device
         self.slots = {}  # dtype name -> [(piece, offset, numel)] in the global piece order
@@ -83,6 +83,6 @@ class LeaderBuffers:
     def _view(self, piece: Piece) -> torch.Tensor:
         """The piece's rectangle of its local tensor's 2-D view (a view: buffers are contiguous)."""
         place = self.places[piece]
-        r0, r1, c0, c1 = place.value_rect
-        rows = place.value.shape[0] if place.value.dim() else 1
-        return place.value.view(rows, -1)[r0:r1, c0:c1]
+        r0, r1, c0, c1 = place.local
+        rows = place.tensor.shape[0] if place.tensor.dim() else 1
+        return place.tensor.view(rows, -1)[r0:r1, c0:c1]

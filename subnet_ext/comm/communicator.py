@@ -17,7 +17,6 @@ after a run that succeeded.
 from __future__ import annotations
 
 import atexit
-import enum
 import gc
 import weakref
 from dataclasses import dataclass, field
@@ -27,19 +26,7 @@ import torch
 import torch.distributed as dist
 
 from . import collectives
-
-
-class Quantity(str, enum.Enum):
-    """What a collective carries, as the counter files it (its value is the key of
-    CommCounter.by_quantity and comm_stats()["by_quantity"])."""
-
-    GRADIENTS = "gradients"  # averaged in every synchronising backward (sync_every=1)
-    PARAMETERS = "parameters"  # averaged after optimizer steps (sync_every > 1)
-    REFRESH = "refresh"  # the backward regime's broadcasts of the leaders' values
-    REASSIGN = "reassign"  # what changes hands at a change of assignment (engine/reassignment.py)
-
-    def __str__(self) -> str:
-        return self.value
+from ..vocabulary import Quantity
 
 
 @dataclass

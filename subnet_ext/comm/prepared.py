@@ -16,6 +16,26 @@ import torch
 from .. import ops
 
 
+def piece_table(entries) -> tuple[list, torch.Tensor]:
+    """A segment table from pieces placed in a buffer: the one builder of the averager's and the
+    refresher's tables.
+
+    Args:
+        entries: (piece, its local tensor, (r0, r1, c0, c1) in that tensor's 2-D view, buffer offset)
+            each, in buffer order.
+    Returns:
+        (one piece per distinct tensor, in first-seen order: segment row i's tensor index points into
+        it; the table int64 [S, 6] of (tensor index, r0, r1, c0, c1, offset)).
+    """
+    tensor_pieces, tensor_index, rows = [], {}, []
+    for piece, tensor, (r0, r1, c0, c1), offset in entries:
+        if id(tensor) not in tensor_index:
+            tensor_index[id(tensor)] = len(tensor_pieces)
+            tensor_pieces.append(piece)
+        rows.append((tensor_index[id(tensor)], r0, r1, c0, c1, offset))
+    return tensor_pieces, torch.tensor(rows, dtype=torch.int64) if rows else torch.empty(0, 6, dtype=torch.int64)
+
+
 def _addresses(tensors: Sequence[torch.Tensor], buffer: torch.Tensor) -> tuple:
     return (buffer.data_ptr(), buffer.numel(), tuple((t.data_ptr(), tuple(t.shape)) for t in tensors))
 

@@ -32,7 +32,8 @@ import torch
 
 from ..planning.buckets import Bucket
 from . import collectives
-from .communicator import Communicator, PendingCollective, Quantity
+from .communicator import Communicator, PendingCollective
+from ..vocabulary import Quantity
 
 
 @dataclass(frozen=True)

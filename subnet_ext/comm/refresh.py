@@ -12,18 +12,19 @@ from typing import Mapping
 import torch
 
 from .. import ops
-from ..planning.buckets import align_elements
+from ..planning.buckets import Bucket
 from ..planning.pieces import Piece
 from .communicator import Communicator
-from .places import PiecePlace
-from .prepared import PreparedTables
+from .places import HeldPiece
+from .prepared import PreparedTables, piece_table
 
 
 class CopyRefresher:
     """Backward regime: after each optimizer step, each leader (lowest owner) broadcasts the
     pieces it leads that some rank lacks, and the ranks that do not own a piece overwrite
-    their copy (exact, scale 1). One broadcast per (leader, dtype), in leader order; the
-    layout is static, so it is built once. Simulated: the leader's packing and the bytes
+    their copy (exact, scale 1). One broadcast per (leader, dtype), in leader order, laid out
+    by planning.buckets.refresh_broadcasts (the layout the cost and memory models read); it is
+    static, so its tables are built once. Simulated: the leader's packing and the bytes
     are kept, the copies are left as they are.
 
     One persistent buffer (zeroed once, allocated at the first refresh) serves every
@@ -34,41 +35,28 @@ class CopyRefresher:
     packing kernels' vector path applies to every segment.
     """
 
-    def __init__(self, pieces: list[Piece], rank: int, world_size: int, places: Mapping[Piece, PiecePlace],
+    def __init__(self, broadcasts: list[tuple[int, Bucket]], rank: int, places: Mapping[Piece, HeldPiece],
                  comm: Communicator, quantity: str = "refresh"):
+        """broadcasts: planning.buckets.refresh_broadcasts(plan, pieces), (leader, bucket) in order;
+        places: where each piece's value lives (every piece: full copies on every rank)."""
         self.rank, self.comm, self.quantity = rank, comm, quantity
-        self.places = dict(places)  # where each piece's value lives (every piece: full copies on every rank)
+        self.places = dict(places)
         # (leader, one piece per tensor of the tensor list, table, rows to copy, their scales, total)
         self.broadcasts = []
         self.prepared = PreparedTables()  # segment tables validated once per layout
         self.buffer = None  # the persistent buffer, [max total] of the first dtype; see buffer_for
         self._views = {}  # broadcast index -> its [total] view of the buffer
-        if world_size == 1:
-            return
-        for leader in range(world_size):
-            by_dtype = {}
-            for p in pieces:
-                if p.owners[0] == leader and len(p.owners) < world_size:
-                    tensor, rect = self._value(p)
-                    by_dtype.setdefault(tensor.dtype, []).append((p, tensor, rect))
-            for items in by_dtype.values():
-                tensor_pieces, tensor_index, rects = [], {}, []
-                for p, t, rect in items:
-                    if id(t) not in tensor_index:
-                        tensor_index[id(t)] = len(tensor_pieces)
-                        tensor_pieces.append(p)
-                    rects.append((tensor_index[id(t)], *rect))
-                table, total = ops.segment_table(rects, align=align_elements(items[0][1].element_size()))
-                if total == 0:
-                    continue  # nothing to send (the cost model counts no collective either)
-                keep = [i for i, (p, _, _) in enumerate(items) if rank not in p.owners]
-                self.broadcasts.append((leader, tensor_pieces, table, table[keep],
-                                        torch.ones(len(keep), dtype=torch.float32), total))
+        for leader, bucket in broadcasts:
+            tensor_pieces, table = piece_table([(p, *self._value(p), off) for p, off in zip(bucket.pieces,
+                                                                                          bucket.offsets)])
+            keep = [i for i, p in enumerate(bucket.pieces) if rank not in p.owners]
+            self.broadcasts.append((leader, tensor_pieces, table, table[keep],
+                                    torch.ones(len(keep), dtype=torch.float32), bucket.numel))
 
     def _value(self, piece: Piece) -> tuple[torch.Tensor, tuple]:
         """(the tensor holding the piece's value, its rectangle in that tensor's 2-D view)."""
         place = self.places[piece]
-        return place.value, place.value_rect
+        return place.tensor, place.local
 
     @property
     def buffer_bytes(self) -> int:

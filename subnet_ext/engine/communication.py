@@ -18,7 +18,7 @@ from ..comm.averaging import BucketedAverager
 from ..comm.buffer_sync import LeaderBuffers
 from ..comm.communicator import CommCounter, Communicator, SimulatedCommunicator
 from ..comm.refresh import CopyRefresher
-from ..planning.buckets import build_buckets
+from ..planning.buckets import build_buckets, refresh_broadcasts
 from ..planning.costs import choose_strategy
 from ..planning.plan import SubnetPlan
 from ..planning.sharding import communicated_pieces
@@ -81,7 +81,8 @@ def build_communication(plan: SubnetPlan, layout: RankLayout, config: SDPConfig,
     refresh = {}
     if config.regime == "backward":
         for h in sorted({period(p) for p in layout.pieces}):
-            refresh[h] = CopyRefresher([p for p in layout.pieces if period(p) == h], rank, world_size, places, comm)
+            refresh[h] = CopyRefresher(refresh_broadcasts(plan, [p for p in layout.pieces if period(p) == h]), rank,
+                                       places, comm)
     leader_buffers = LeaderBuffers(plan, layout.pieces, places, rank, comm, device) \
         if broadcast_buffers and world_size > 1 and not simulated else None
     return EngineCommunication(strategy, costs, counter, comm, averager, refresh, leader_buffers)

@@ -24,8 +24,8 @@ from ..planning.buckets import DEFAULT_BUCKET_CAP_MB
 from ..planning.costs import DEFAULT_LATENCY_BYTES, STRATEGIES
 from ..planning.plan import ReadOnlyDict, SubnetPlan
 from ..planning.schedule import OwnershipSchedule, check_periods
+from ..vocabulary import REGIMES
 
-REGIMES = ("forward", "backward")
 SCALES = ("none", "inverse")
 EVAL_FORWARDS = ("subnetwork", "full")  # what a forward in eval mode runs (eval_mode.py)
 BUFFER_SYNCS = ("average", "broadcast")  # how owners agree on buffers (comm/buffer_sync.py)

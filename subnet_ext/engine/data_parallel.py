@@ -21,6 +21,15 @@ With shard_shared=True (shared_shards.py) the plan's shared parameters are DTens
 managed by torch's FSDP2 (all-gathered before the forward and kept until the end of the
 backward, gradients reduce-scattered as the mean over the world, optimizer state sharded);
 the buckets then hold the units only. Not with simulate_rank, sync_every > 1 or close().
+
+Parts: one class, SubnetDataParallel, whose methods come in this order:
+- building: __init__, _assemble (surgery, layout, communication for one plan), hooks;
+- ownership in time: after_step, set_step, steps, _reassign, _teardown, register_reassign_hook;
+- the step: forward, train, clip_grad_norm_, gradients_finite;
+- state in the full model's coordinates: full_state_dict, load_full_state_dict, the optimizer's;
+- the whole model: full_model, evaluate, verify_consistency;
+- reports: summary, comm_stats, memory_report, predicted_model_state_bytes;
+- the end: close, remove_hooks.
 """
 from __future__ import annotations
 
@@ -218,7 +227,8 @@ class SubnetDataParallel(DDPInterface, EngineParts, nn.Module):
         """The plan's summary, then what this rank's wrap adds: the head groups that keep their width here
         (forward regime: their module cannot run sliced) and, at block level, which neighbouring blocks
         the ownership schedule trains together."""
-        from ..planning.summary import co_training_lines, width_kept_lines
+        from ..planning.schedule import co_training_lines
+        from ..planning.summary import width_kept_lines
 
         return "\n".join([self.plan.summary(), *width_kept_lines(self.width_kept)] +
                          (co_training_lines(self.base_plan, self.schedule)[1:] if self.schedule.moves else []))

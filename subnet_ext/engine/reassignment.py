@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..comm.communicator import Quantity
 from ..planning.pieces import rectangle
-from ..state.layout import RankLayout, as_2d, copy_overlaps
+from ..state.layout import RankLayout, as_2d
+from ..vocabulary import Quantity, dtype_size
 
 ROLE = re.compile(r"(?<=\.)\d+(?=\.)|^\d+(?=\.)")
 
@@ -146,7 +146,7 @@ def predicted_bytes(plan, transfers: list[Transfer], state_tensors: int, values:
     shaped like it (`state_tensors`, e.g. 2 for AdamW)."""
     total = 0
     for t in transfers:
-        size = torch.empty((), dtype=getattr(torch, plan.tensor_dtypes[t.name])).element_size()
+        size = dtype_size(plan.tensor_dtypes[t.name])
         total += _area(t.rect) * size * ((1 if values else 0) + (state_tensors if t.is_param else 0))
     return total
 

@@ -23,8 +23,8 @@ import torch.nn as nn
 from ..engine.config import OPTIONS as ENGINE_OPTIONS
 from ..engine.config import SDPConfig, config_from
 from ..planning.plan import SubnetPlan, plan_subnetworks
+from ..vocabulary import LEVELS
 
-LEVELS = ("block", "neuron")
 EVALUATIONS = ("full", "ensemble")
 
 

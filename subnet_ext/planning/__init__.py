@@ -29,11 +29,10 @@ Glossary (the words the code uses for parts of the model and of its tensors):
              holds them (plan.shared).
   alias      a state-dict name for the same tensor as an earlier, canonical name (tied
              weights, aliases.py): no pieces, no owners, never communicated.
-  held piece a piece on one rank (state/layout.HeldPiece): the tensor holding it, its
-             local and its full rectangle. The rank's RankLayout (state/layout.py) says
-             where every piece lives.
-  place      a held piece as comm receives it (comm/places.PiecePlace): its value's tensor
-             and rectangle, and the Parameter whose gradient carries it.
+  held piece a piece on one rank (comm/places.HeldPiece, the one type for it): the tensor
+             holding it, its local and its full rectangle, and the Parameter whose gradient
+             carries it. The rank's RankLayout (state/layout.py) says where every piece
+             lives and hands comm its held pieces once.
   home       the fixed tensor a communicated parameter's gradient lives in, its `.grad`
              after a synchronising backward: a view of its bucket, or a standalone tensor
              (comm/averaging.py).

@@ -32,6 +32,8 @@ import math
 import numpy as np
 import torch
 
+from ..vocabulary import BLOCK_ASSIGNMENTS
+
 
 def _group_pattern(n: int, k: int, r: int) -> np.ndarray:
     """Bool [k, n]: the owners of one group of n equal units before rotation."""
@@ -95,7 +97,6 @@ def assign_per_rank(ranges, k: int, coverage) -> torch.Tensor:
     return owners
 
 
-BLOCK_ASSIGNMENTS = ("balanced", "contiguous")
 
 
 def assign_blocks(unit_bytes: torch.Tensor, unit_flops: torch.Tensor, k: int, r: int,

@@ -25,9 +25,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import torch
-
 from .pieces import Piece, full_rectangle
+from ..vocabulary import dtype_size
 
 DEFAULT_BUCKET_CAP_MB = 25.0  # torch DDP's default
 PIECE_ALIGN_BYTES = 16  # the packing kernels' vector width (one 128-bit load/store)
@@ -71,7 +70,7 @@ class Bucket:
     @property
     def element_size(self) -> int:
         """Bytes per element of the bucket's dtype."""
-        return torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return dtype_size(self.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -97,6 +96,27 @@ def piece_numel(plan, piece: Piece) -> int:
     """Elements of `piece` in `plan`: the area of its full rectangle."""
     rows, cols = piece_shape(plan, piece)
     return rows * cols
+
+
+def refresh_broadcasts(plan, pieces: list[Piece]) -> list[tuple[int, Bucket]]:
+    """Backward regime: the leaders' refresh broadcasts, as (leader, bucket) in leader order, one per
+    (leader, dtype) with dtypes in the order their first piece comes: the pieces a leader (lowest
+    owner) leads that some rank lacks, at aligned offsets (Bucket.append). The one layout the
+    engine's CopyRefresher packs, the cost model counts and the memory model sizes its buffer from.
+
+    Args:
+        pieces: pieces.global_pieces(plan) (or those of one synchronisation period), in that order.
+    """
+    world = tuple(range(plan.world_size))
+    out = []
+    for leader in world if plan.world_size > 1 else ():
+        by_dtype = {}
+        for p in pieces:
+            if p.owners[0] == leader and len(p.owners) < plan.world_size:
+                dtype = plan.tensor_dtypes[p.name]
+                by_dtype.setdefault(dtype, Bucket(world, dtype)).append(p, piece_shape(plan, p))
+        out += [(leader, b) for b in by_dtype.values() if b.numel]
+    return out
 
 
 def build_buckets(plan, pieces: list[Piece], strategy: str, cap_bytes: float, period_of=None) -> list[Bucket]:

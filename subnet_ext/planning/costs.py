@@ -21,9 +21,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-import torch
-
-from .buckets import DEFAULT_BUCKET_CAP_MB, Bucket, aligned_offset, build_buckets, piece_numel
+from .buckets import DEFAULT_BUCKET_CAP_MB, Bucket, build_buckets, refresh_broadcasts
 from .pieces import global_pieces
 from .plan import SubnetPlan
 from .sharding import communicated_pieces
@@ -78,21 +76,10 @@ def predicted_comm(plan: SubnetPlan, rank: int, strategy: str, regime: str = "fo
 
 
 def refresh_bytes(plan: SubnetPlan) -> tuple[float, int]:
-    """Backward regime: bytes every rank hands to the leaders' broadcasts, and their number:
-    one buffer per (leader, dtype) holding the pieces that leader leads and some rank
-    lacks, each at a 16-byte aligned offset, as comm/refresh.py lays them out."""
-    ends = {}  # (leader, dtype) -> end of its buffer, in elements
-    for p in global_pieces(plan):
-        if len(p.owners) < plan.world_size:
-            dtype = plan.tensor_dtypes[p.name]
-            key = (p.owners[0], dtype)
-            ends[key] = aligned_offset(ends.get(key, 0), _element_size(dtype)) + piece_numel(plan, p)
-    sizes = [n * _element_size(dtype) for (_, dtype), n in ends.items() if n]
+    """Backward regime: bytes every rank hands to the leaders' broadcasts, and their number
+    (buckets.refresh_broadcasts, the layout comm/refresh.py packs)."""
+    sizes = [b.nbytes for _, b in refresh_broadcasts(plan, global_pieces(plan))]
     return float(sum(sizes)), len(sizes)
-
-
-def _element_size(dtype: str) -> int:
-    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
 def choose_strategy(plan: SubnetPlan, requested: str = "auto", latency_bytes: float = DEFAULT_LATENCY_BYTES,

@@ -12,8 +12,7 @@ import math
 import warnings
 
 from .rank_graph import on_first_rank
-
-LEVELS = ("block", "neuron")
+from ..vocabulary import LEVELS
 
 
 def owners_per_unit(world_size: int, coverage: float) -> int:

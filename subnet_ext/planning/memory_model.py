@@ -51,11 +51,12 @@ from __future__ import annotations
 import torch
 
 from .activation_trace import ActivationTrace
-from .buckets import DEFAULT_BUCKET_CAP_MB, build_buckets
+from .buckets import DEFAULT_BUCKET_CAP_MB, build_buckets, refresh_broadcasts
 from .costs import choose_strategy
+from .pieces import global_pieces
 from .sharding import communicated_pieces, shard_bytes, sharded_names
+from ..vocabulary import REGIMES, dtype_size
 
-REGIMES = ("forward", "backward")
 OPTIMIZER_KERNELS = ("for-loop", "foreach", "fused")
 _MOMENTS = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1}
 
@@ -114,12 +115,12 @@ def gradient_temporary(largest_bytes: float, trace) -> float:
     dtype = getattr(trace, "compute_dtype", None)
     if dtype is None:
         return largest_bytes
-    return largest_bytes * (1 + torch.empty((), dtype=dtype).element_size() / 4)
+    return largest_bytes * (1 + dtype_size(dtype) / 4)
 
 
 def _tensor_bytes(plan, name: str) -> float:
     """Bytes of the original model's tensor `name` (its shape and dtype as the plan records them)."""
-    return float(plan.numel_of(name) * torch.empty((), dtype=getattr(torch, plan.tensor_dtypes[name])).element_size())
+    return float(plan.numel_of(name) * dtype_size(plan.tensor_dtypes[name]))
 
 
 def _shared_param_bytes(plan) -> float:
@@ -231,14 +232,9 @@ def _communicated_gradients(plan, rank: int, shard_shared: bool) -> float:
 
 def _refresh_buffer_bytes(plan) -> float:
     """The backward regime's refresh buffer (comm/refresh.py): one buffer serves every leader's
-    broadcast in turn, sized to the largest, i.e. the most bytes one rank leads (is the lowest
-    owner of) among the units some rank lacks; allocated on every rank, simulated ones too."""
-    led = torch.zeros(plan.world_size, dtype=torch.float64)
-    for u in range(len(plan.units)):
-        owners = torch.nonzero(plan.owners[:, u]).flatten()
-        if 0 < len(owners) < plan.world_size:
-            led[int(owners[0])] += float(plan.unit_bytes[u])
-    return float(led.max()) if plan.world_size > 1 else 0.0
+    broadcast in turn, sized to the largest (buckets.refresh_broadcasts: the layout the engine packs);
+    allocated on every rank, simulated ones too."""
+    return float(max((b.nbytes for _, b in refresh_broadcasts(plan, global_pieces(plan))), default=0))
 
 
 def _persistent_extras(plan, rank: int, regime: str, shard_shared: bool, buckets: float, communicated: float) -> float:

@@ -14,6 +14,13 @@ The rank graph joins two ranks that share a unit (docs/design.md §1.2): shared 
 not count, or every model with a stem would get the complete graph. A plan whose units
 leave it disconnected warns (its ranks are tied by the shared parameters only) and is
 refused only when no shared parameter ties the ranks either.
+
+Parts:
+- Unit: one unit of a plan (its group, index and size);
+- ReadOnlyDict: the frozen plan's mappings (picklable, unlike mappingproxy);
+- model_fingerprint: what a plan read from JSON is checked against;
+- SubnetPlan: the plan as a value, with its owner queries, costs, JSON and summary;
+- plan_subnetworks: the planner (units, owners, checks).
 """
 from __future__ import annotations
 
@@ -36,9 +43,10 @@ from .coverage import check_arguments, describe, is_per_rank, owners_per_unit, w
 from .rank_graph import check_ranks_tied, components, rank_graph, spectral_gap
 from .aliases import find_aliases
 from .blocks import find_blocks
-from .plan_costs import FLOAT_DTYPES, dtype_bytes, plan_costs
+from .plan_costs import FLOAT_DTYPES, plan_costs
 from .units import UnitGroup, check_no_chained, find_neuron_groups
 from .unsplit import no_units_error
+from ..vocabulary import dtype_size
 
 
 @dataclass(frozen=True)
@@ -168,7 +176,7 @@ class SubnetPlan:
     # ----------------------------------------------------------------- costs
     def bytes_of(self, name: str, numel: int | None = None) -> int:
         """Bytes of `numel` elements (default: the whole entry) of state-dict entry `name`'s dtype."""
-        return (self.numel_of(name) if numel is None else numel) * dtype_bytes(self.tensor_dtypes[name])
+        return (self.numel_of(name) if numel is None else numel) * dtype_size(self.tensor_dtypes[name])
 
     def is_float(self, name: str) -> bool:
         """True when state-dict entry `name` is floating point (averaged; integers are not)."""
@@ -386,6 +394,7 @@ def plan_subnetworks(model: nn.Module, world_size: int, coverage: float, level: 
         TypeError: a world size, coverage or seed of the wrong type (coverage="0.5").
         ValueError: bad arguments, no unit at that level, or a plan that fails its checks.
     """
+    # why one function: the planner's steps in order (units, owners, costs, checks), each a call
     check_arguments(world_size, coverage, level, seed)
     unsplit = {}  # {module path: why it is no unit}, for summary()
     groups = find_blocks(model, blocks, sample_input, unsplit) if level == "block" else \

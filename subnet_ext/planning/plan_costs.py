@@ -13,16 +13,12 @@ import numpy as np
 import torch
 
 from .units import UnitGroup, slice_numel
+from ..vocabulary import dtype_size
 
 FLOAT_DTYPES = ("float32", "float64", "float16", "bfloat16")  # the dtype names plans record for floats
 
 _NO_TRACE = "2 x parameters per sample position (no sample_input given, so a convolution's spatial size and " \
             "attention's length are not counted)"
-
-
-def dtype_bytes(dtype_name: str) -> int:
-    """Bytes of one element of a dtype recorded by name ("float32", "torch.bfloat16", "int64")."""
-    return torch.empty((), dtype=getattr(torch, dtype_name.replace("torch.", ""))).element_size()
 
 
 @dataclass(frozen=True)
@@ -52,7 +48,7 @@ def plan_costs(groups: list[UnitGroup], unit_ranges: list, tensor_shapes: dict, 
     param_names = set(param_names)
 
     def nbytes(name, numel=None):
-        return (math.prod(tensor_shapes[name]) if numel is None else numel) * dtype_bytes(tensor_dtypes[name])
+        return (math.prod(tensor_shapes[name]) if numel is None else numel) * dtype_size(tensor_dtypes[name])
 
     def is_float(name):
         return tensor_dtypes[name] in FLOAT_DTYPES

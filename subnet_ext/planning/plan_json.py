@@ -13,8 +13,9 @@ from __future__ import annotations
 import hashlib
 import math
 
+from ..vocabulary import KINDS, LEVELS
+
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
-KINDS = ("block", "neuron", "head", "channel")
 SKIPS = ("identity", "shortcut", "shortcut_relu")
 GROUP_KEYS = {"kind", "path", "size", "members", "params", "buffers", "consumers", "skip"}
 SLICE_KEYS = {"name", "dim", "width", "buffer", "offset"}
@@ -57,7 +58,7 @@ def _check_header(d: dict) -> None:
     if not values or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
                          or not 0 < v <= 1 for v in values):
         raise ValueError(f"plan JSON: coverage must be a number in (0, 1] or a list of them (one per rank), got {c!r}")
-    if d["level"] not in ("block", "neuron"):
+    if d["level"] not in LEVELS:
         raise ValueError(f"plan JSON: level must be 'block' or 'neuron', got {d['level']!r}")
     if not _int(d["seed"]):
         raise ValueError(f"plan JSON: seed must be an int, got {d['seed']!r}")

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-ASSIGNMENTS = ("static", "redraw", "rolling")
+from ..vocabulary import ASSIGNMENTS
 
 
 @dataclass(frozen=True)
@@ -173,6 +173,28 @@ def never_trained_together(pairs: list[tuple]) -> list[tuple]:
     return [(a, b) for a, b, f in pairs if f == 0.0]
 
 
+def co_training_lines(plan, schedule=None, steps: int = 10_000) -> list[str]:
+    """Block level: which neighbouring blocks some rank trains together (under `schedule`: in what share of
+    the assignments of `steps` optimizer steps), and a warning when the full model stacks blocks no rank
+    ever trained together."""
+    pairs = co_training(plan, schedule or STATIC, steps)
+    if not pairs:
+        return []
+    moving = schedule is not None and schedule.moves
+    cells = [f"{a} + {b.rsplit('.', 1)[-1]}: {f:.0%}" if moving else f"{a} + {b.rsplit('.', 1)[-1]}: {'yes' if f else 'no'}"
+             for a, b, f in pairs]
+    what = f"share of the assignments over {steps} steps" if moving else "static assignment"
+    lines = ["", f"neighbouring blocks trained together by some rank ({what}): " + "; ".join(cells)]
+    never = never_trained_together(pairs)
+    if never:
+        lines.append(f"warning: {len(never)} of {len(pairs)} pairs of neighbouring blocks are never trained together "
+                     f"by any rank ({', '.join(f'{a} + {b}' for a, b in never[:3])}): the full model stacks blocks that "
+                     "never learned to work beside each other (docs/study-cpu.md measures what that costs on Tiny "
+                     "Shakespeare). Move ownership during training (SubnetDataParallel(..., assignment='redraw', "
+                     "reassign_every=N)) or plan block_assignment='contiguous'.")
+    return lines
+
+
 def check_periods(schedule: OwnershipSchedule, sync_every: int) -> None:
     """A change must fall on a synchronisation point: `every` a multiple of the longest period (ValueError)."""
     if schedule.moves and schedule.every % sync_every:
@@ -183,11 +205,10 @@ def check_periods(schedule: OwnershipSchedule, sync_every: int) -> None:
 
 def warn_if_never_co_trained(plan, schedule: OwnershipSchedule, world_size: int) -> None:
     """Warn (once across ranks) when some neighbouring blocks are never trained together by any rank under
-    `schedule` (summary.co_training_lines says which, and what to do)."""
+    `schedule` (co_training_lines says which, and what to do)."""
     import warnings
 
     from .rank_graph import on_first_rank
-    from .summary import co_training_lines
 
     if plan.level != "block" or world_size < 2 or not on_first_rank():
         return

@@ -9,6 +9,7 @@ module the planner left whole that it could have split is named with why (unspli
 from __future__ import annotations
 
 from .coverage import describe, is_per_rank
+from .schedule import co_training_lines
 from .unsplit import unsplit_lines
 
 HELD_MARGIN = 0.10  # a rank holding more than coverage + this fraction of the parameters is flagged
@@ -73,30 +74,6 @@ def plan_summary(plan) -> str:
                   f"imbalance bytes {imb['bytes']:.1%} flops {imb['flops']:.1%} ({counted_by}), "
                   f"{len(plan.owner_sets())} distinct owner set(s)"]
     return "\n".join(lines + co_training_lines(plan) + unsplit_lines(plan.unsplit) + _held_warning(plan))
-
-
-def co_training_lines(plan, schedule=None, steps: int = 10_000) -> list[str]:
-    """Block level: which neighbouring blocks some rank trains together (under `schedule`: in what share of
-    the assignments of `steps` optimizer steps), and a warning when the full model stacks blocks no rank
-    ever trained together."""
-    from .schedule import STATIC, co_training, never_trained_together
-
-    pairs = co_training(plan, schedule or STATIC, steps)
-    if not pairs:
-        return []
-    moving = schedule is not None and schedule.moves
-    cells = [f"{a} + {b.rsplit('.', 1)[-1]}: {f:.0%}" if moving else f"{a} + {b.rsplit('.', 1)[-1]}: {'yes' if f else 'no'}"
-             for a, b, f in pairs]
-    what = f"share of the assignments over {steps} steps" if moving else "static assignment"
-    lines = ["", f"neighbouring blocks trained together by some rank ({what}): " + "; ".join(cells)]
-    never = never_trained_together(pairs)
-    if never:
-        lines.append(f"warning: {len(never)} of {len(pairs)} pairs of neighbouring blocks are never trained together "
-                     f"by any rank ({', '.join(f'{a} + {b}' for a, b in never[:3])}): the full model stacks blocks that "
-                     "never learned to work beside each other (docs/study-cpu.md measures what that costs on Tiny "
-                     "Shakespeare). Move ownership during training (SubnetDataParallel(..., assignment='redraw', "
-                     "reassign_every=N)) or plan block_assignment='contiguous'.")
-    return lines
 
 
 def width_kept_lines(width_kept: dict) -> list[str]:

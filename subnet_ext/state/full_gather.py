@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import collectives
+from ..vocabulary import dtype_size
 
 CHUNK_BYTES = 16 * 2**20  # one collective per chunk; a rank that keeps nothing holds one chunk at most
 
@@ -47,7 +48,7 @@ def plan_chunks(entries: list[FullEntry], chunk_bytes: int) -> list[list[FullEnt
     entry alone). Deterministic from the entries, so every rank issues the same collectives."""
     chunks, open_chunks = [], {}
     for e in entries:
-        size = e.numel * torch.empty((), dtype=e.dtype).element_size()
+        size = e.numel * dtype_size(e.dtype)
         members, used = open_chunks.get(e.dtype, ([], 0))
         if members and used + size > chunk_bytes:
             chunks.append(members)

@@ -21,25 +21,17 @@ reshards them first; `value_of` refuses a gathered one).
 """
 from __future__ import annotations
 
-import functools
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
-from ..comm.places import PiecePlace, Rect, area
-from ..ops import reference
+from ..comm.places import HeldPiece, Rect, area, as_2d
 from ..planning.pieces import Piece, full_rectangle, global_pieces, local_starts, rectangle, shard_rows
 from ..planning.plan import SubnetPlan
 
 __all__ = ["RankLayout", "HeldPiece", "Rect", "area", "as_2d", "copy_overlaps", "local_tensor", "overlapping",
            "piece_key"]
-
-# Held pieces are written through their 2-D view, so it must be a view: the ops layer's as_2d,
-# refusing non-contiguous tensors.
-as_2d = functools.partial(reference.as_2d, view=True)
-
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (a sharded shared parameter, its gradient or its
@@ -50,41 +42,6 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 def piece_key(piece: Piece) -> str:
     """A name for a piece that is unique within one plan: 'blocks.0.fc1.weight|0:32:16'."""
     return f"{piece.name}|{piece.dim}:{piece.start}:{piece.length}"
-
-
-@dataclass(frozen=True, eq=False)
-class HeldPiece:
-    """One piece on this rank: `tensor` (contiguous) holds it at `local`; `full` is where it
-    sits in the original tensor. `param` is the optimizer's parameter for it (None for
-    model values)."""
-
-    piece: Piece
-    tensor: torch.Tensor
-    local: Rect
-    full: Rect
-    param: torch.nn.Parameter | None = None
-
-    def read(self) -> torch.Tensor:
-        """A contiguous copy of the piece, shape [rows, cols] of its full rectangle."""
-        r0, r1, c0, c1 = self.local
-        return as_2d(self.tensor)[r0:r1, c0:c1].detach().clone()
-
-    @torch.no_grad()
-    def write_into_full(self, full: torch.Tensor, source: torch.Tensor | None = None) -> None:
-        """Copy the piece into its place in `full` (a contiguous tensor of the original shape),
-        from `tensor`, or from `source`: a tensor shaped like it (e.g. the parameter's
-        optimizer state, or its local shard)."""
-        r0, r1, c0, c1 = self.full
-        l0, l1, m0, m1 = self.local
-        src = self.tensor if source is None else source
-        as_2d(full)[r0:r1, c0:c1].copy_(reference.as_2d(src)[l0:l1, m0:m1])
-
-    @torch.no_grad()
-    def read_from_full(self, full: torch.Tensor) -> None:
-        """Overwrite the piece with its place in `full` (a tensor of the original shape)."""
-        r0, r1, c0, c1 = self.full
-        l0, l1, m0, m1 = self.local
-        as_2d(self.tensor)[l0:l1, m0:m1].copy_(reference.as_2d(full.to(self.tensor.device))[r0:r1, c0:c1])
 
 
 def copy_overlaps(dst: torch.Tensor, local: Rect, full: Rect, sources) -> int:
@@ -287,8 +244,8 @@ class RankLayout:
             out.append((piece, grad.reshape(rows, -1)[r0:r1, c0:c1]))
         return out
 
-    def averaging_places(self) -> dict[Piece, PiecePlace]:
-        """{piece: PiecePlace} for every piece this rank holds that SDP communicates (all but
+    def averaging_places(self) -> dict[Piece, HeldPiece]:
+        """{piece: HeldPiece} for every piece this rank holds that SDP communicates (all but
         FSDP2's shards): what the averager and the refresh receive (comm/places.py)."""
         out = {}
         for p in self.local_start:
@@ -298,8 +255,8 @@ class RankLayout:
             param = grad_rect = None
             if p.is_param and self.owns(p):
                 param, grad_rect = self.parameter_place(p)
-            out[p] = PiecePlace(p, value, value_rect, param, grad_rect,
-                                trainable=param is not None and self.is_trainable(param))
+            out[p] = HeldPiece(p, value, value_rect, self.held_rectangle(p), param, grad_rect,
+                               trainable=param is not None and self.is_trainable(param))
         return out
 
     def local_tensors(self) -> list[torch.Tensor]:

@@ -17,6 +17,7 @@ from sdp_helpers import make_model
 from subnet_ext.comm.averaging import BucketedAverager
 from subnet_ext.comm.communicator import CommCounter, Communicator, PendingCollective, SimulatedCommunicator
 from subnet_ext.comm.refresh import CopyRefresher
+from subnet_ext.planning.buckets import refresh_broadcasts
 from subnet_ext.planning.buckets import build_buckets
 from subnet_ext.planning.pieces import global_pieces
 
@@ -190,7 +191,7 @@ def test_refresh_gives_every_rank_the_leaders_values():
         with torch.no_grad():
             for name in plan.param_names:
                 layout.value_of(name).copy_(values[r][name])
-        refreshers.append(CopyRefresher(layout.pieces, r, WORLD, layout.averaging_places(),
+        refreshers.append(CopyRefresher(refresh_broadcasts(plan, layout.pieces), r, layout.averaging_places(),
                                         ThreadCommunicator(ranks[0][1].comm.exchange, WORLD, r)))
     on_threads(refreshers)
     for r, (sdp, _) in enumerate(ranks):

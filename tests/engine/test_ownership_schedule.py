@@ -345,7 +345,7 @@ def test_resume_across_a_change_on_the_same_and_another_world_size():
 
 
 def test_the_plan_says_which_neighbours_train_together_and_the_engine_warns():
-    from subnet_ext.planning.summary import co_training_lines
+    from subnet_ext.planning.schedule import co_training_lines
 
     plan = build_plan("block")
     text = plan.summary()

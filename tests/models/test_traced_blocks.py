@@ -15,11 +15,11 @@ import torch
 
 import subnet_ext as sx
 from subnet_ext.testing import run_distributed
+from subnet_ext.vocabulary import REGIMES
 from subnet_reference import expected_sgd_step, from_numpy, max_diff, reference_subnetwork, to_numpy
 from user_blocks import NAMES, SAMPLE, build, loss_of
 
 LR = 0.1
-REGIMES = ("forward", "backward")
 
 pytestmark = pytest.mark.filterwarnings("ignore:SubnetPlan. ranks")
 

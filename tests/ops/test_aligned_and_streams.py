@@ -34,7 +34,7 @@ def test_refresh_pieces_start_at_16_byte_offsets():
     assert broadcasts
     sizes = set()
     for _, pieces, table, _, _, total in broadcasts:
-        elem = sdp.refresh.places[pieces[0]].value.element_size()
+        elem = sdp.refresh.places[pieces[0]].tensor.element_size()
         assert all(off * elem % 16 == 0 for off in table[:, 5].tolist()), table
         counts = ((table[:, 2] - table[:, 1]) * (table[:, 4] - table[:, 3])).tolist()
         sizes.update(c * elem % 16 for c in counts)

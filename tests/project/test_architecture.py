@@ -1,11 +1,13 @@
 """The package's layering, as a test (pure Python, ast only).
 
-Layers, lowest first: ops < planning < comm < state < engine < integrations < cli. A
+Layers, lowest first: vocabulary < ops < planning < comm < state < engine < integrations < cli. A
 module may import its own layer and lower ones. models/ and data/ are leaves: planning,
 engine and cli may import them; they import nothing of ours but each other. subnet_ext/__init__.py and
-testing.py are the top. Also: no import cycle between modules, no module over 400
-lines, no function over 60 lines unless its first body line or the line above its
-`def` is a comment saying why.
+testing.py are the top. Also: no import cycle between modules; a module over 400 lines names its parts in
+its docstring (a "Parts:" paragraph of at least two "- " lines that, with the rest of the
+docstring, names every public class and function it defines: one concept, read in
+sections, instead of a concept split to fit a cap), none over 800; no function over 60
+lines unless its first body line or the line above its `def` is a comment saying why.
 
 Signatures count as dependencies too (`signature_errors`): a parameter or field annotated
 with a class that only a higher layer defines, a Callable parameter in ops, planning or
@@ -13,17 +15,21 @@ comm (a callback from above), a parameter named for the engine (`sdp`, `engine`)
 it, and an unannotated constructor parameter in comm (which would hide any of these).
 What ast cannot see (an unannotated function argument that is a higher-layer object or
 a bound method) is the README's rule (Architecture).
+
+One source per concept (`concept_copies`): the closed sets of names (levels, regimes, unit
+kinds, assignments) are spelled out only in subnet_ext/vocabulary.py, in the package and in
+bench/, and a dtype's size is vocabulary.dtype_size, never a tensor built to ask it.
 """
 import ast
 import pathlib
 
 PACKAGE = "subnet_ext"
 ROOT = pathlib.Path(__file__).resolve().parents[2] / PACKAGE
-LAYERS = ["ops", "planning", "comm", "state", "engine", "integrations", "cli"]
+LAYERS = ["vocabulary", "ops", "planning", "comm", "state", "engine", "integrations", "cli"]
 LEAVES = {"models", "data"}
 LEAF_USERS = {"planning", "engine", "cli"}
 TOP = {PACKAGE, f"{PACKAGE}.testing"}
-MAX_MODULE_LINES, MAX_FUNCTION_LINES = 400, 60
+PARTS_LINES, MAX_MODULE_LINES, MAX_FUNCTION_LINES = 400, 800, 60
 NO_CALLBACK_LAYERS = {"ops", "planning", "comm"}  # take data and typed objects from above, never behaviour
 TYPED_CONSTRUCTOR_LAYERS = {"comm"}  # every constructor parameter annotated, so the checks see it
 ENGINE_NAMES = {"sdp", "engine"}  # parameter names that say "the whole engine"
@@ -234,6 +240,41 @@ def signature_errors(sources: dict) -> list:
     return sorted(errors)
 
 
+def _vocabulary() -> dict:
+    """{frozenset of names: its name in subnet_ext/vocabulary.py} for every closed set defined there."""
+    tree = ast.parse((ROOT / "vocabulary.py").read_text())
+    out = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Tuple):
+            values = frozenset(e.value for e in node.value.elts if isinstance(e, ast.Constant))
+            out.update({values: t.id for t in node.targets if isinstance(t, ast.Name)})
+    return out
+
+
+def concept_copies(sources: dict, vocabulary: dict) -> list:
+    """[message] for each copy of a concept vocabulary.py defines: a tuple, list or set literal of
+    the strings of one of its closed sets (in any order), or a dtype's size read off a tensor made
+    for the purpose (`torch.empty(...).element_size()`).
+
+    Args: sources: {module or file name: source text}; vocabulary: as _vocabulary() returns."""
+    errors = []
+    for name, source in sources.items():
+        if name.endswith("vocabulary"):
+            continue
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and len(node.elts) > 1 \
+                    and all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts):
+                values = frozenset(e.value for e in node.elts)
+                if values in vocabulary and len(values) == len(node.elts):
+                    errors.append(f"{name}:{node.lineno} spells out {vocabulary[values]} (import it from "
+                                  "subnet_ext.vocabulary)")
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr == "element_size" and isinstance(node.func.value, ast.Call) \
+                    and getattr(node.func.value.func, "attr", None) == "empty":
+                errors.append(f"{name}:{node.lineno} builds a tensor to read a dtype's size (vocabulary.dtype_size)")
+    return sorted(errors)
+
+
 def scan():
     """({module: imports}, {module: source})."""
     modules, sources = {}, {}
@@ -261,12 +302,33 @@ def test_no_import_cycles():
     assert cycles(_parents_of_package(modules)) == KNOWN_CYCLES
 
 
+def unnamed_parts(name: str, source: str) -> list:
+    """[message] when a module over PARTS_LINES lines does not name its parts (module docstring)."""
+    if len(source.splitlines()) <= PARTS_LINES:
+        return []
+    tree = ast.parse(source)
+    doc = ast.get_docstring(tree) or ""
+    parts = doc.split("Parts:", 1)[1] if "Parts:" in doc else ""
+    if sum(line.lstrip().startswith("- ") for line in parts.splitlines()) < 2:
+        return [f"{name}: {len(source.splitlines())} lines and no 'Parts:' paragraph of '- ' lines in its docstring"]
+    public = [n.name for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef)) and not n.name.startswith("_")]
+    return [f"{name}: its docstring does not name {n}" for n in public if n not in doc]
+
+
 def test_module_and_function_sizes():
     _, sources = scan()
     too_long = [f"{n}: {len(s.splitlines())} lines" for n, s in sources.items()
                 if len(s.splitlines()) > MAX_MODULE_LINES]
     assert too_long == []
+    assert [m for n, s in sources.items() for m in unnamed_parts(n, s)] == []
     assert sorted(m for n, s in sources.items() for m in long_functions(n, s)) == KNOWN_LONG_FUNCTIONS
+
+
+def test_each_concept_is_defined_once():
+    _, sources = scan()
+    bench = ROOT.parent / "bench"
+    sources.update({path.relative_to(ROOT.parent).as_posix(): path.read_text() for path in sorted(bench.rglob("*.py"))})
+    assert concept_copies(sources, _vocabulary()) == []
 
 
 def shared_file_names(root: pathlib.Path = ROOT) -> dict:
@@ -312,11 +374,28 @@ def test_checker_catches_violations():
                              "subnet_ext.comm.c (comm) imports leaf subnet_ext.data.d"])
     assert cycles(synthetic) == [["subnet_ext.models.m", "subnet_ext.planning.p"],
                                  ["subnet_ext.ops.a", "subnet_ext.state.b"]]
+    filler = "\n".join(f"x{i} = {i}" for i in range(PARTS_LINES))
+    assert unnamed_parts("m", f'"""M."""\ndef f():\n    pass\n{filler}\n') == [
+        f"m: {PARTS_LINES + 3} lines and no 'Parts:' paragraph of '- ' lines in its docstring"]
+    assert unnamed_parts("m", f'"""M.\n\nParts:\n- a\n- b\n"""\ndef f():\n    pass\n{filler}\n') == [
+        "m: its docstring does not name f"]
+    assert unnamed_parts("m", f'"""M.\n\nParts:\n- f: one\n- the rest\n"""\ndef f():\n    pass\n{filler}\n') == []
     body = "\n".join(f"    x{i} = {i}" for i in range(61))
     assert long_functions("m", f"def f():\n{body}\n") == ["m.f: 62 lines (max 60 without a comment why)"]
     assert long_functions("m", f"def f():\n    # why: one table, read top to bottom\n{body}\n") == []
     src = "def g():\n    from ..engine import data_parallel\n"
     assert imports_of("subnet_ext.state.z", src, False) == {"subnet_ext.engine", "subnet_ext.engine.data_parallel"}
+
+
+def test_concept_checker_finds_copies():
+    vocabulary = _vocabulary()
+    assert set(vocabulary.values()) >= {"LEVELS", "REGIMES", "KINDS", "ASSIGNMENTS", "BLOCK_ASSIGNMENTS"}
+    synthetic = {"m": 'A = ("neuron", "block")\nB = ["forward", "backward"]\nC = ("block", "other")\n'
+                      'n = torch.empty((), dtype=d).element_size()\nok = t.element_size()\n'}
+    assert concept_copies(synthetic, vocabulary) == [
+        "m:1 spells out LEVELS (import it from subnet_ext.vocabulary)",
+        "m:2 spells out REGIMES (import it from subnet_ext.vocabulary)",
+        "m:4 builds a tensor to read a dtype's size (vocabulary.dtype_size)"]
 
 
 def test_signature_checker_catches_callbacks_and_higher_types():

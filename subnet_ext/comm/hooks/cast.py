@@ -15,6 +15,7 @@ import torch
 
 from ...planning.buckets import Bucket
 from ..reduction import CommBucket
+from ...vocabulary import dtype_size
 
 
 class CastCompressHook:
@@ -42,7 +43,7 @@ class CastCompressHook:
 
     def collective_bytes(self, state: None, layout: Bucket) -> list[int]:
         """One all-reduce of the whole buffer (alignment gaps included) in the wire dtype."""
-        return [layout.numel * torch.empty((), dtype=self.dtype).element_size()]
+        return [layout.numel * dtype_size(self.dtype)]
 
 
 fp16_compress_hook = CastCompressHook(torch.float16)

@@ -2,7 +2,7 @@
 
 nn.MultiheadAttention's forward calls F.multi_head_attention_forward, which takes the head
 width as embed_dim / num_heads with embed_dim the *input's* width: with h of H heads kept
-(projections sliced to h x head_dim rows, planning/torch_attention.py) it would split them
+(projections sliced to h x head_dim rows, planning/units.py mha_group) it would split them
 into heads of the wrong width. `SlicedMultiheadAttention` stands in for it (module_swaps.py,
 the user's module set aside, as SlicedLinear for an nn.Linear): the same class, attributes,
 tensors and submodules, `num_heads` = h (slicing.py), `head_dim` unchanged, and a forward

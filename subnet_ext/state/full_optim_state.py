@@ -2,7 +2,7 @@
 
 `full_optimizer_state_dict` writes, and `load_full_optimizer_state_dict` reads, exactly
 what `get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))`
-gives for a DDP or FSDP2 model (optim_format.py): state keyed by the parameters' names in
+gives for a DDP or FSDP2 model (the format below): state keyed by the parameters' names in
 the unwrapped model, each tensor whole, and param groups listing those names. So a DDP or
 FSDP2 checkpoint resumes under SDP (any plan), and an SDP one under DDP or FSDP2 through
 `set_optimizer_state_dict`.
@@ -20,6 +20,23 @@ would initialise lazily.
 Loading (not collective): each rank takes its pieces' rectangles out of the whole
 tensors, and every param group takes the settings of the saved group that lists its
 parameters (as torch's set_optimizer_state_dict matches groups by name, not by position).
+
+The format, and what is recognised when it is not given (check_format): errors that name what was given instead.
+
+torch's `get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))`
+(the same for a plain, DDP-wrapped or FSDP2 model) returns
+
+    {"state": {fqn: {"step": 0-d tensor, "exp_avg": tensor of the parameter's shape, ...}},
+     "param_groups": [{"lr": ..., "weight_decay": ..., ..., "params": [fqn, ...]}, ...]}
+
+keyed by the parameters' fully qualified names in the unwrapped model (tied parameters
+once, under their first name in `named_parameters()`), every tensor whole. SDP writes and
+reads exactly this, so checkpoints move between DDP, FSDP2 and SDP runs. What else people
+pass by mistake, and how each is recognised here: torch's own `optimizer.state_dict()`
+(integer parameter indices), DCP's flattened form (`"state.<fqn>.<key>"` at the top level),
+a sharded one (DTensor values: `full_state_dict=False`), subnet_ext's older full form
+(param groups without "params"), and another model's state (names or shapes this model
+lacks).
 """
 from __future__ import annotations
 
@@ -32,7 +49,6 @@ from ..comm import collectives
 from ..comm.collectives import describe_group
 from .full_gather import FullEntry, check_options, sum_gather
 from .layout import RankLayout, as_2d, copy_overlaps, local_tensor
-from .optim_format import canonical, check_format
 from .optim_state import ensure_state, hyperparameters, scalar_value, state_entry_shapes
 
 
@@ -155,7 +171,7 @@ def load_full_optimizer_state_dict(layout: RankLayout, optimizer, full: dict, st
     FSDP2's, any plan). `layout`: this rank's RankLayout. Not collective.
 
     Raises:
-        ValueError: another format or model (optim_format.py names what was given), a
+        ValueError: another format or model (check_format names what was given), a
             parameter of this optimizer missing from a non-empty state (unless
             `strict=False`, which leaves it without state, as torch's option), or a param
             group whose parameters the saved groups do not list.
@@ -214,3 +230,69 @@ def _load_group_settings(plan, optimizer, names: dict, saved_groups: list) -> No
                 group[k].fill_(float(v))  # a tensor lr stays a tensor (capturable/compiled optimizers)
             else:
                 group[k] = v.clone() if torch.is_tensor(v) else copy.deepcopy(v)
+
+
+# ---- the format and the errors that name what was given instead
+EXPECTED = ("the full optimizer state of torch.distributed.checkpoint — {'state': {fqn: {key: tensor}}, "
+            "'param_groups': [{..., 'params': [fqn, ...]}]}, as get_optimizer_state_dict(model, optimizer, "
+            "options=StateDictOptions(full_state_dict=True)) or sdp.full_optimizer_state_dict(optimizer) return it")
+
+
+def _error(given: str, fix: str) -> ValueError:
+    return ValueError(f"load_full_optimizer_state_dict expects {EXPECTED}; got {given}. {fix}")
+
+
+def _first(items, n: int = 3) -> str:
+    items = list(items)
+    return f"{items[:n]}" + (f" (and {len(items) - n} more)" if len(items) > n else "")
+
+
+def check_format(plan, full) -> None:
+    """ValueError, naming what was expected and what `full` is, unless `full` is a full,
+    name-keyed optimizer state of this plan's model (see the module docstring)."""
+    if not isinstance(full, dict) or not isinstance(full.get("state"), dict) or \
+            not isinstance(full.get("param_groups"), list):
+        keys = _first(full) if isinstance(full, dict) else ""
+        if isinstance(full, dict) and any(isinstance(k, str) and k.startswith(("state.", "param_groups."))
+                                          for k in full):
+            raise _error(f"the flattened form (keys such as {keys})",
+                         "Save it with flatten_optimizer_state_dict=False (the default).")
+        raise _error(f"a {type(full).__name__} with keys {keys}" if keys else f"a {type(full).__name__}",
+                     "Pass the whole dict, with both 'state' and 'param_groups'.")
+    state, groups = full["state"], full["param_groups"]
+    indexed = [k for k in state if not isinstance(k, str)] + \
+        [p for g in groups if isinstance(g, dict) for p in g.get("params", ()) if not isinstance(p, str)]
+    if indexed:
+        raise _error(f"torch's optimizer.state_dict() form, keyed by parameter index ({_first(indexed)}), which "
+                     "only the optimizer that wrote it can read",
+                     "Save with get_optimizer_state_dict(model, optimizer, "
+                     "options=StateDictOptions(full_state_dict=True)) instead of optimizer.state_dict().")
+    if any(not isinstance(g, dict) or "params" not in g for g in groups):
+        raise _error("param_groups without 'params' (subnet_ext's older full form, or settings only)",
+                     "Save the optimizer state again with sdp.full_optimizer_state_dict(optimizer).")
+    sharded = [n for n, entries in state.items() if isinstance(entries, dict) for v in entries.values()
+               if hasattr(v, "to_local")]
+    if sharded:
+        raise _error(f"sharded values (DTensors, e.g. of {_first(dict.fromkeys(sharded))})",
+                     "Save with options=StateDictOptions(full_state_dict=True).")
+    known = set(plan.param_names) | set(plan.aliases)
+    unknown = [n for n in list(state) + [p for g in groups for p in g["params"]] if n not in known]
+    if unknown:
+        raise _error(f"names this model does not have ({_first(dict.fromkeys(unknown))}; the model's parameters "
+                     f"include {_first(plan.param_names)})",
+                     "It is another model's optimizer state, or names with a wrapper's prefix (such as 'module.'): "
+                     "torch's get_optimizer_state_dict strips those.")
+    bad = [n for n, entries in state.items() if not isinstance(entries, dict)]
+    if bad:
+        raise _error(f"entries that are not dicts of state ({_first(bad)})", "Each entry maps a state key to a value.")
+    shapes = [f"{n}[{k!r}]: {tuple(v.shape)} vs parameter {plan.tensor_shapes[canonical(plan, n)]}"
+              for n, entries in state.items() for k, v in entries.items()
+              if torch.is_tensor(v) and v.dim() > 0 and tuple(v.shape) != plan.tensor_shapes[canonical(plan, n)]]
+    if shapes:
+        raise _error(f"state whose shapes differ from this model's ({_first(shapes, 2)})",
+                     "It is another model's optimizer state (or another configuration of it).")
+
+
+def canonical(plan, name: str) -> str:
+    """The name the plan keeps for `name` (a tied alias maps to its canonical name)."""
+    return plan.aliases.get(name, name)

@@ -26,7 +26,7 @@ from subnet_ext.models import ResidualMLP
 from subnet_ext.planning.pieces import global_pieces
 from subnet_ext.planning.pieces import full_rectangle
 from subnet_ext.state.layout import area
-from subnet_ext.state.checkpoint_manifest import MANIFEST, CorruptCheckpoint, _body_checksum, read_manifest, write_manifest
+from subnet_ext.state.checkpoint_store import MANIFEST, CorruptCheckpoint, _body_checksum, read_manifest, write_manifest
 from subnet_ext.cli.train import build_parser, check_args
 from fuzz_harness import COMPARED, _mutate, _paths, assert_compared, json_values, run_surface
 

@@ -84,13 +84,10 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     base_label = f"baseline {base_commit}"
-    lines = [
-        "# `subnet-plan --memory-budget` on the 1B preset (CPU)", "",
-        f"Command: `python bench/plan_for_memory.py --baseline {opts.baseline} --rounds {opts.rounds}"
-        + (f" --out {opts.out}`" if opts.out else "`") + f", {time.strftime('%Y-%m-%dT%H:%MZ', time.gmtime())}, "
-        f"commit {provenance.commit()}, wall time {time.time() - started:.0f} s.",
-        f"Machine: {provenance.machine()}. Load average (1, 5, 15 min): {load_before} before, {provenance.load()} "
-        "after.",
+    command = f"python bench/plan_for_memory.py --baseline {opts.baseline} --rounds {opts.rounds}" + \
+        (f" --out {opts.out}" if opts.out else "")
+    lines = provenance.header("`subnet-plan --memory-budget` on the 1B preset (CPU)", command, started,
+                              load_before) + [
         f"Each cell: `python -m subnet_ext.cli.plan {' '.join(PLAIN)} [--memory-budget 8GiB]` as its own process "
         f"(imports included, OMP_NUM_THREADS=1), median wall time over {opts.rounds} interleaved rounds "
         "[min-max]; ×baseline: the ratio of the medians.", "",
@@ -105,11 +102,7 @@ def main(argv=None) -> int:
             rows, chosen = outcome[label] if name != "plain plan" else ("", "")
             lines.append(f"| {label} | {name} | {median:.1f} [{min(xs):.1f}-{max(xs):.1f}] | {ratio:.3f} | {rows} "
                          f"| {chosen} |")
-    report = "\n".join(lines) + "\n"
-    if opts.out:
-        with open(opts.out, "w") as f:
-            f.write(report)
-    print(report)
+    provenance.emit(lines, opts.out)
     return 0
 
 

@@ -6,6 +6,7 @@ import argparse
 import math
 import os
 
+from ..engine.config import DEFAULT_TIMEOUT_S
 from ..models.gpt import GPT_PRESETS
 from ..models.llama import LLAMA_PRESETS
 from ..planning.buckets import DEFAULT_BUCKET_CAP_MB
@@ -97,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="start N local workers (not under torchrun; default: one process, or torchrun's workers)")
     run.add_argument("--backend", default="auto", help="auto (nccl on GPU, gloo on CPU) | gloo | nccl")
     run.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    run.add_argument("--timeout", type=float, default=300.0,
+    run.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                      help="seconds any collective may take before the run stops with an error naming it")
     rel = p.add_argument_group("reliability")
     rel.add_argument("--verify-every", type=int, default=0,

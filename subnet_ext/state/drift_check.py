@@ -9,10 +9,10 @@ the loss curve look fine. `DriftCheck` finds it without the user asking:
 
 - every `every` optimizer steps, right after a synchronisation point (with sync_every = H > 1,
   every ceil(every / H) x H steps, an averaging step: between averaging points local SGD
-  legitimately diverges), each rank sums the bit patterns of every parameter
-  piece with two or more owners that it owns (the values as integers of their width, summed in
-  int64: exact, so the order of the sum, the device and the layout do not matter) into its row
-  of a [K, pieces] int64 table, zeros elsewhere;
+  legitimately diverges), each rank sums the bit patterns of every parameter piece with two or
+  more owners that it owns (the values as integers of their width, summed modulo 2**32: exact,
+  so the order of the sum, the device and the layout do not matter) into its row of a
+  [K, pieces] int64 table, zeros elsewhere;
 - one all-reduce (sum) of that table on the engine's world group gives every rank every
   owner's checksum: the same table everywhere, so every rank decides alike;
 - owners whose checksums differ raise `ConsistencyError` on every rank, at the same step,
@@ -33,19 +33,23 @@ from .layout import RankLayout, as_2d, local_tensor
 
 # The integer type of each float width: a value's bits, read as a signed integer.
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_CHUNK = 1 << 22  # elements summed at once: bounds the int64 temporary of a large piece (32 MiB)
+_CHUNK = 1 << 22  # elements summed at once: bounds the temporary of a widening sum (2-byte floats on the CPU)
 
 
 def checksum(values: torch.Tensor) -> torch.Tensor:
-    """A 0-d int64 on values' device: the sum of the bit patterns of a 2-D floating tensor
-    (any strides), wrapping modulo 2**64. Exact and order-free: equal tensors give equal sums on
-    any device and layout; a changed value changes it unless other changes cancel it exactly."""
-    bits = values.detach().view(_BITS[values.element_size()])
+    """A 0-d int64 on values' device: the sum of the bit patterns of a 2-D floating tensor (any
+    strides), modulo 2**32 (2**64 for 8-byte floats). Exact and free of order: equal tensors give
+    equal sums on any device and layout; a changed value changes it unless other changes cancel
+    it exactly. 4-byte values are summed as int32 (modular, no widened copy: as fast as a float
+    sum), the chunk sums then reduced modulo 2**32, so how a piece is chunked does not matter."""
+    size = values.element_size()
+    bits = values.detach().view(_BITS[size])
+    wide = torch.int64 if size == 8 else torch.int32
     rows = max(1, _CHUNK // max(1, bits.shape[1]))
     total = torch.zeros((), dtype=torch.int64, device=values.device)
     for start in range(0, bits.shape[0], rows):
-        total += bits[start:start + rows].sum(dtype=torch.int64)
-    return total
+        total += bits[start:start + rows].sum(dtype=wide)
+    return total if size == 8 else total & 0xFFFFFFFF
 
 
 class DriftCheck:

@@ -177,3 +177,20 @@ def test_a_bad_period_is_refused_by_name(value):
     with pytest.raises(ValueError, match=f"drift_check_every must be an int >= 0 .* got {value!r}"):
         sx.SDPConfig(drift_check_every=value)
     assert dataclasses.replace(sx.SDPConfig(), drift_check_every=0).drift_check_every == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_checksum_is_exact_and_free_of_layout(dtype, monkeypatch):
+    """A column slice and its contiguous copy, summed in any chunks, give one checksum (the
+    owners' compact tensors lay a piece out differently); one changed bit changes it."""
+    from subnet_ext.state import drift_check
+
+    full = torch.randn(300, 97, generator=torch.Generator().manual_seed(0)).to(dtype)
+    piece = full[:, 10:60]
+    expected = drift_check.checksum(piece.contiguous())
+    monkeypatch.setattr(drift_check, "_CHUNK", 7 * 50)  # 7 rows per chunk
+    assert torch.equal(drift_check.checksum(piece), expected)
+    flipped = piece.contiguous()
+    bits = flipped.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[flipped.element_size()])
+    bits[123 // 50, 123 % 50] ^= 1  # the last bit of one value
+    assert not torch.equal(drift_check.checksum(flipped), expected)

@@ -79,7 +79,8 @@ def _clipping(rank):
 
 def _worker(rank, world):
     """Every scenario of this file's 2-rank tests in one pair of processes (one start-up)."""
-    return {"clipping": _clipping(rank), "bits": _bits(rank), "local sgd": _local_sgd(rank), "sharded": _sharded(rank)}
+    return {"clipping": _clipping(rank), "bits": _bits(rank), "local sgd": _local_sgd(rank), "sharded": _sharded(rank),
+            "periods": _periods_and_moves(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +150,25 @@ def test_local_sgd_is_checked_only_right_after_averaging(ranks):
         assert out["steps"] == (None, None) and out["checks"] == 3
         assert out["healed"] == (None, None)
         assert out["caught"] == 16
+
+
+def _periods_and_moves(rank):
+    out = {}
+    # Shared parameters averaged every step, the units every 2 (they differ at odd steps): checked every
+    # 6 steps (the first multiple of the periods' least common multiple, 2, at or past 5).
+    sdp, opt = _engine("forward", coverage=1.0, sync_every={"shared": 1, "units": 2}, drift_check_every=5)
+    out["periods"] = (*_train(sdp, opt, rank, 12, clip="sdp"), sdp.drift_check.checks)
+    # Ownership that moves every 3 steps: the check is rebuilt for each assignment and keeps its rhythm
+    # (steps 5, 10, 15); a copy nudged after the move at step 12 is caught at 15.
+    sdp, opt = _engine("forward", assignment="rolling", reassign_every=3, drift_check_every=5)
+    out["moves"] = _train(sdp, opt, rank, 18, after_step=_corrupt_after(sdp, rank, 12, "head.weight"))[0]
+    return out
+
+
+def test_periods_per_group_and_moving_ownership_are_checked_where_owners_agree(ranks):
+    for out in (r["periods"] for r in ranks):
+        assert out["periods"] == (None, None, 2)
+        assert out["moves"] == 15
 
 
 def _sharded(rank):

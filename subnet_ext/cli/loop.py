@@ -150,9 +150,10 @@ def _already_finished(args, task, start: int, history: dict, progress) -> bool:
     return True
 
 
-def _train(args, task, method, optimizer, history, start, device, rank, progress) -> dict | None:
+def _train(args, task, method, optimizer, history, start, device, rank, progress=None) -> dict | None:
     """Steps start..args.steps, appending to history; this rank's measurements
-    {memory, activation_bytes, step_time_s}, or None after --stop-after.
+    {memory, activation_bytes, step_time_s}, or None after --stop-after. progress: rank 0's lines
+    and bar (made here when not given).
 
     A step reads nothing to the host: its skip decision stays on the device (OptimizerStep).
     Losses, gradient norms and the skip decisions are read together every --log-every
@@ -161,6 +162,7 @@ def _train(args, task, method, optimizer, history, start, device, rank, progress
     guard.skipped_steps = list(history["skipped"])
     stepper = OptimizerStep(method, optimizer, guard, args, device, taken=len(history["step"]))
     faults = Faults(rank)
+    progress = progress if progress is not None else _progress(args, task, rank, start)
     scalars = DeferredScalars(history)
     log_every = getattr(args, "log_every", 10)
     step_times, memory, activation_bytes = [], None, None

@@ -2,8 +2,9 @@
 
     subnet-plan --model llama --preset 1b --world-size 8 --coverage 0.25 --level block
 
-The model is built on the meta device (no memory: the 1B preset plans in seconds, and
---memory-budget tries every owner count in seconds more; bench/results/plan-for-memory-cpu.md).
+The model is built on the meta device (no memory, even for the 1B preset); --memory-budget
+reads and traces it once per level for every owner count it tries
+(bench/results/plan-for-memory-cpu.md).
 FLOPs are traced from one forward of a sample input on the meta device (resnet
 3x32x32 images, mlp its 64 features, llama and gpt [1, --seq-len] tokens), so the bytes and
 FLOP imbalances printed are those of the plan's subnetworks at that input size.

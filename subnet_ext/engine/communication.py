@@ -88,6 +88,6 @@ def build_communication(plan: SubnetPlan, layout: RankLayout, config: SDPConfig,
     leader_buffers = LeaderBuffers(plan, layout.pieces, places, rank, comm, device) \
         if broadcast_buffers and world_size > 1 and not simulated else None
     # Compared where every synchronisation period ends (the least common multiple of the periods).
-    drift = DriftCheck(layout, comm.world_group, config.drift_check_every, config.longest_period,
+    drift = DriftCheck(layout, comm, config.drift_check_every, config.longest_period,
                        communicate=world_size > 1 and not simulated, timeout=config.timeout)
     return EngineCommunication(strategy, costs, counter, comm, averager, refresh, leader_buffers, drift)

@@ -12,7 +12,7 @@ PREFERENCE order (at K = 8: C = 1's entry at 8, 7, 6 and 5 owners, the C = 0.5 e
 and 2, C = 1/K's at 1); within one, the variants that change only where tensors live (not the
 updates) go from cheapest in time to cheapest in memory: as is, shared parameters sharded by
 FSDP2, activation checkpointing, both. The model is read and traced once per level, so the
-1B preset at K = 8 is planned in seconds (bench/results/plan-for-memory-cpu.md).
+1B preset at K = 8 takes about as long as a few plain plans (bench/results/plan-for-memory-cpu.md).
 """
 from __future__ import annotations
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from ..comm import collectives
+from ..comm.communicator import Communicator
 from .consistency import describe_piece, raise_on_mismatch
 from .layout import RankLayout, as_2d, local_tensor
 
@@ -57,17 +58,19 @@ class DriftCheck:
 
     Args:
         layout: this rank's RankLayout (its pieces, where their parameters live).
-        group: the engine's process group of all its ranks (the world group it made, or
-            None for the default group); timeout: the engine's deadline, in the error.
+        comm: the engine's Communicator: its world group (the group of all the engine's ranks
+            it made, or the process group it was given) is asked for at each check, never kept
+            (the communicator alone holds its groups, so that they are released at exit:
+            comm/communicator.py); timeout: the engine's deadline, in the error.
         every: N, optimizer steps between checks (0 or None: never).
         sync_every: H: only steps that H divides are checked (the engine passes the least common
             multiple of its synchronisation periods: a step where every piece was just averaged).
         communicate: False for one rank or a simulated rank (nothing to compare).
     """
 
-    def __init__(self, layout: RankLayout, group, every: int | None, sync_every: int, communicate: bool,
+    def __init__(self, layout: RankLayout, comm: Communicator, every: int | None, sync_every: int, communicate: bool,
                  timeout: float | None = None):
-        self.layout, self.group, self.every, self.sync_every = layout, group, every or 0, sync_every
+        self.layout, self.comm, self.every, self.sync_every = layout, comm, every or 0, sync_every
         self.timeout = timeout
         self.pieces = [p for p in layout.pieces if p.is_param and len(p.owners) > 1 and not layout.is_sharded(p)]
         self.on = bool(self.every) and communicate and bool(self.pieces) and layout.world_size > 1
@@ -86,14 +89,14 @@ class DriftCheck:
     def check(self, steps: int) -> None:
         """One comparison now (collective over the group); ConsistencyError on every rank when
         some owners disagree."""
-        layout = self.layout
-        device = collectives.staging_device(self.group, layout.device)
+        layout, group = self.layout, self.comm.world_group
+        device = collectives.staging_device(group, layout.device)
         sums = [checksum(self._view(p)) for p in self.pieces if layout.owns(p)]
         table = torch.zeros(layout.world_size, len(self.pieces), dtype=torch.int64, device=device)
         mine = torch.tensor([i for i, p in enumerate(self.pieces) if layout.owns(p)], dtype=torch.long)
         if sums:
             table[layout.rank, mine.to(device)] = torch.stack(sums).to(device)
-        collectives.all_reduce(table, self.group, timeout=self.timeout, operation="all_reduce (drift check)")
+        collectives.all_reduce(table, group, timeout=self.timeout, operation="all_reduce (drift check)")
         self.checks += 1
         mismatches = []
         values = table.cpu().tolist()

@@ -214,3 +214,15 @@ def test_the_checksum_is_exact_and_free_of_layout(dtype, monkeypatch):
     bits = flipped.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[flipped.element_size()])
     bits[123 // 50, 123 % 50] ^= 1  # the last bit of one value
     assert not torch.equal(drift_check.checksum(flipped), expected)
+
+
+def test_the_docs_state_the_period():
+    """The porting guide (its clipping section), the reliability page and the user guide give N as
+    the code defines it."""
+    import pathlib
+
+    docs = pathlib.Path(__file__).resolve().parents[2] / "docs"
+    clipping = (docs / "porting.md").read_text().split("## Gradient clipping", 1)[1].split("\n## ", 1)[0]
+    assert f"`drift_check_every` = {N} optimizer steps" in clipping
+    for page in ("reliability.md", "user-guide.md"):
+        assert f"`drift_check_every` = {N}" in (docs / page).read_text(), page

@@ -75,7 +75,7 @@ class SDPConfig:
             owners of every piece with two or more owners compare a
             checksum of their copies, in one small all-reduce, and a divergence raises
             ConsistencyError on every rank naming the pieces and the likely cause
-            (torch.nn.utils.clip_grad_norm_ over sdp.parameters()). Default
+            (`torch.nn.utils.clip_grad_norm_` over `sdp.parameters()`). Default
             DEFAULT_DRIFT_CHECK_EVERY; 0 or None: never (state/drift_check.py).
         shard_shared: shard the plan's shared parameters over the group with torch's FSDP2
             (gathered per use, gradients reduce-scattered, optimizer state sharded); SDP

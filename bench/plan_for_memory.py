@@ -6,14 +6,15 @@ Each command runs as its own process (`python -m subnet_ext.cli.plan ...`, impor
 as a user runs it), on the checked-out tree and on the baseline commit (extracted with `git
 archive` into a temporary folder, the built extension copied beside it), in
 interleaved rounds so that a drift of the machine's speed hits both alike. Reported: the
-median wall time over rounds, its ratio to the baseline's, how many candidate configurations
-the budget's table lists (one row each) and the one chosen.
+median wall time and CPU time over rounds, their ratios to the baseline's, how many candidate
+configurations the budget's table lists (one row each) and the one chosen.
 """
 from __future__ import annotations
 
 import argparse
 import glob
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -28,16 +29,20 @@ PLAIN = ["--model", "llama", "--preset", "1b", "--world-size", "8"]
 BUDGET = PLAIN + ["--memory-budget", "8GiB"]
 
 
-def run_plan(tree: str, args: list[str]) -> tuple[float, str]:
-    """(wall seconds, stdout) of `python -m subnet_ext.cli.plan args` with `tree` first on the path."""
+def run_plan(tree: str, args: list[str]) -> tuple[float, float, str]:
+    """(wall seconds, CPU seconds, stdout) of `python -m subnet_ext.cli.plan args` with `tree` first
+    on the path. CPU: the child's user + system time (what a busy machine does not inflate)."""
     env = dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "subnet_ext.cli.plan", *args], cwd=tree, env=env,
                           capture_output=True, text=True)
     seconds = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if done.returncode != 0:
         raise RuntimeError(f"subnet-plan {' '.join(args)} in {tree} exited {done.returncode}:\n{done.stderr[-2000:]}")
-    return seconds, done.stdout
+    return seconds, cpu, done.stdout
 
 
 def budget_outcome(stdout: str) -> tuple[int, str]:
@@ -72,15 +77,17 @@ def main(argv=None) -> int:
     trees = {}
     try:
         trees = {f"baseline {base_commit}": baseline_tree(opts.baseline, folder), "this tree": ROOT}
-        times, outcome = {}, {}
+        times, cpus, outcome = {}, {}, {}
         for r in range(opts.rounds):
             for label, tree in trees.items():
                 for name, args in (("plain plan", PLAIN), ("--memory-budget 8GiB", BUDGET)):
-                    seconds, out = run_plan(tree, args)
+                    seconds, cpu, out = run_plan(tree, args)
                     times.setdefault((label, name), []).append(seconds)
+                    cpus.setdefault((label, name), []).append(cpu)
                     if name != "plain plan":
                         outcome[label] = budget_outcome(out)
-                    print(f"round {r + 1}: {label}, {name}: {seconds:.1f} s", file=sys.stderr, flush=True)
+                    print(f"round {r + 1}: {label}, {name}: {seconds:.1f} s ({cpu:.1f} s CPU)", file=sys.stderr,
+                          flush=True)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     base_label = f"baseline {base_commit}"
@@ -90,18 +97,22 @@ def main(argv=None) -> int:
                               load_before) + [
         f"Each cell: `python -m subnet_ext.cli.plan {' '.join(PLAIN)} [--memory-budget 8GiB]` as its own process "
         f"(imports included, OMP_NUM_THREADS=1), median wall time over {opts.rounds} interleaved rounds "
-        "[min-max]; ×baseline: the ratio of the medians.", "",
-        "| tree | command | wall s, median [range] | ×baseline | candidates listed | chosen |",
-        "|---|---|---:|---:|---:|---|",
+        "[min-max], and its CPU time (user + system, which other work on the machine does not inflate); "
+        "×baseline: the ratio of the medians.", "",
+        "| tree | command | wall s, median [range] | ×baseline | CPU s, median [range] | ×baseline | "
+        "candidates listed | chosen |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
     ]
     for label in trees:
         for name in ("plain plan", "--memory-budget 8GiB"):
-            xs = times[(label, name)]
-            median = statistics.median(xs)
-            ratio = median / statistics.median(times[(base_label, name)])
+            cells = []
+            for table in (times, cpus):
+                xs = table[(label, name)]
+                median = statistics.median(xs)
+                cells.append(f"{median:.1f} [{min(xs):.1f}-{max(xs):.1f}] | "
+                             f"{median / statistics.median(table[(base_label, name)]):.3f}")
             rows, chosen = outcome[label] if name != "plain plan" else ("", "")
-            lines.append(f"| {label} | {name} | {median:.1f} [{min(xs):.1f}-{max(xs):.1f}] | {ratio:.3f} | {rows} "
-                         f"| {chosen} |")
+            lines.append(f"| {label} | {name} | {cells[0]} | {cells[1]} | {rows} | {chosen} |")
     provenance.emit(lines, opts.out)
     return 0
 

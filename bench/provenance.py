@@ -72,6 +72,27 @@ def machine() -> str:
     return f"{os.cpu_count()} cores, {cpu_model()}, torch {torch_version()}"
 
 
+def header(title: str, command: str, started: float, load_before: str) -> list[str]:
+    """The first lines of a results file: `title`, the command with the time, commit and wall
+    time since `started` (time.time()), the machine, and the load before (provenance.load()
+    when the run began) and now."""
+    import time
+
+    return [f"# {title}", "",
+            f"Command: `{command}`, {time.strftime('%Y-%m-%dT%H:%MZ', time.gmtime())}, commit {commit()}, "
+            f"wall time {time.time() - started:.0f} s.",
+            f"Machine: {machine()}. Load average (1, 5, 15 min): {load_before} before, {load()} after."]
+
+
+def emit(lines: list[str], out: str | None) -> None:
+    """Print a results file's lines, and write them to `out` when given."""
+    report = "\n".join(lines) + "\n"
+    if out:
+        with open(out, "w") as f:
+            f.write(report)
+    print(report)
+
+
 def main(argv: list[str]) -> int:
     what = {"commit": commit, "load": load, "machine": machine}
     if len(argv) != 1 or argv[0] not in what:

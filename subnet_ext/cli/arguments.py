@@ -6,6 +6,9 @@ import argparse
 import math
 import os
 
+from ..engine.config import DEFAULT_TIMEOUT_S
+from ..models.gpt import GPT_PRESETS
+from ..models.llama import LLAMA_PRESETS
 from ..planning.buckets import DEFAULT_BUCKET_CAP_MB
 from .launch import choose_backend
 from .training import DECAY_CHOICES
@@ -67,9 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", type=_model_name, default="mlp", metavar="{mlp,resnet,llama,gpt,hf:DIR}",
                    help="hf:DIR: a transformers causal LM (DIR/config.json; weights optional), on token data; "
                         'needs pip install "subnet_ext[hf]"')
-    p.add_argument("--preset", default=None, help="model preset (llama: tiny|small|medium|134m|1b; "
-                                                  "gpt: tiny|small|medium)")
-    p.add_argument("--width", type=int, default=None, help="override the preset's width")
+    p.add_argument("--preset", default=None, help=f"model preset (llama: {'|'.join(LLAMA_PRESETS)}; gpt: "
+                                                  f"{'|'.join(GPT_PRESETS)}; default: tiny)")
+    p.add_argument("--width", type=int, default=None,
+                   help="mlp and resnet: hidden width (default: mlp 128; resnet 64, 16 for one input channel)")
     p.add_argument("--data", default="digits", help="digits (bundled) | cifar:PATH (python-pickle layout) "
                    "| synthetic | pysrc (the Python standard library's sources as characters) | shakespeare[:PATH] "
                    "(nanoGPT's Tiny Shakespeare; default path $SUBNET_EXT_TINY_SHAKESPEARE) | tokens:PATH.bin")
@@ -85,13 +89,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "decay on biases and norms, as nanoGPT)")
     p.add_argument("--beta2", type=float, default=0.999, help="AdamW's second-moment decay (nanoGPT's Shakespeare "
                                                               "recipe: 0.99)")
-    p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: only at the end)")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="evaluate every N steps, printing a line (0: only at the end)")
     _add_training_args(p)
     run = p.add_argument_group("launch")
-    run.add_argument("--nproc", type=int, default=None, help="start N local workers (not under torchrun)")
+    run.add_argument("--nproc", type=int, default=None,
+                     help="start N local workers (not under torchrun; default: one process, or torchrun's workers)")
     run.add_argument("--backend", default="auto", help="auto (nccl on GPU, gloo on CPU) | gloo | nccl")
     run.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    run.add_argument("--timeout", type=float, default=300.0,
+    run.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                      help="seconds any collective may take before the run stops with an error naming it")
     rel = p.add_argument_group("reliability")
     rel.add_argument("--verify-every", type=int, default=0,
@@ -99,14 +105,15 @@ def build_parser() -> argparse.ArgumentParser:
     rel.add_argument("--max-skipped", type=int, default=None,
                      help="stop after more than K steps were skipped for inf/NaN gradients (default: never stop)")
     ck = p.add_argument_group("checkpoints and output")
-    ck.add_argument("--save-dir", default=None, help="folder for checkpoints (none: no checkpoints)")
+    ck.add_argument("--save-dir", default=None, help="folder for checkpoints (default: none, no checkpoints)")
     ck.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
     ck.add_argument("--keep-last", type=int, default=3, help="keep the newest N checkpoints")
     ck.add_argument("--resume", nargs="?", const="latest", default=None, metavar="latest|auto|PATH",
                     help="continue from the newest good checkpoint in --save-dir (latest, the default), from it "
                          "if there is one (auto: otherwise start fresh; for torchrun --max-restarts), or from "
-                         "the checkpoint folder PATH")
-    ck.add_argument("--out", default=None, help="folder for report.json, report.md and plots")
+                         "the checkpoint folder PATH (default: start fresh)")
+    ck.add_argument("--out", default=None, help="folder for report.json, report.md and plots (default: none; the "
+                    "report table is printed either way)")
     ck.add_argument("--stop-after", type=int, default=0, help=argparse.SUPPRESS)  # interruption, for tests
     return p
 
@@ -144,8 +151,9 @@ def _add_sdp_args(p: argparse.ArgumentParser) -> None:
                      help="issue SDP's all-reduces after the backward instead of during it (for measurement)")
     sdp.add_argument("--simulate-rank", type=int, default=None, metavar="R",
                      help="run only rank R of a --world-size K SDP job, alone on this device; collectives "
-                          "become no-ops that still count bytes (measures one rank's memory and time)")
-    sdp.add_argument("--world-size", type=int, default=None, metavar="K", help="K for --simulate-rank")
+                          "become no-ops that still count bytes (measures one rank's memory and time; default: off)")
+    sdp.add_argument("--world-size", type=int, default=None, metavar="K",
+                     help="K for --simulate-rank (default: none; required with it)")
     sdp.add_argument("--shard-shared", action="store_true",
                      help="shard the shared parameters (embeddings, head, norms, ...) over the ranks with torch FSDP2; "
                           "SDP averages only the units")
@@ -156,11 +164,11 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
 
     t = p.add_argument_group("optimizer step (the same for every method)")
     t.add_argument("--log-every", type=int, default=10, metavar="N",
-                   help="read the steps' losses and gradient norms to the host every N steps, in one copy (the "
-                        "progress bar and the history are complete then; a step itself reads only its skip flag)")
+                   help="every N steps, read the steps' losses and gradient norms to the host in one copy and "
+                        "print a line (step, loss, throughput); a step itself reads only its skip flag")
     t.add_argument("--grad-clip", type=float, default=None, metavar="MAX",
                    help="clip the global gradient 2-norm to MAX (sdp: the synchronised gradient's norm); the "
-                        "pre-clip norm goes to history['grad_norm']")
+                        "pre-clip norm goes to history['grad_norm'] (default: no clipping)")
     t.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32",
                    help="autocast dtype of forward + loss; fp16 adds a loss scaler whose skips every rank agrees on")
     t.add_argument("--activation-checkpointing", action="store_true",
@@ -288,9 +296,6 @@ def _check_training_args(p, args) -> None:
 
 
 def _check_preset(p, args) -> None:
-    from ..models.gpt import GPT_PRESETS
-    from ..models.llama import LLAMA_PRESETS
-
     presets = {"llama": LLAMA_PRESETS, "gpt": GPT_PRESETS}
     if args.model in presets and args.preset not in (None, *presets[args.model]):
         p.error(f"--preset {args.preset!r} is not a {args.model} preset; choose one of "

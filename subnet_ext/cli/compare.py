@@ -39,7 +39,7 @@ def build_parser():
     p.add_argument("--steps", type=_positive_int, default=400, help="optimizer steps of every run")
     p.add_argument("--coverage", type=float, default=0.5, help="the SDP runs' coverage, in (0, 1]")
     p.add_argument("--model", default="mlp", help="as subnet-train --model")
-    p.add_argument("--preset", default=None, help="as subnet-train --preset")
+    p.add_argument("--preset", default=None, help="as subnet-train --preset (default: tiny)")
     p.add_argument("--data", default="digits", help="as subnet-train --data")
     p.add_argument("--batch-size", type=_positive_int, default=32, help="examples per rank")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")

@@ -12,7 +12,6 @@ read with the losses, every --log-every steps, where `--max-skipped` stops the r
 """
 from __future__ import annotations
 
-import sys
 import time
 from argparse import Namespace
 
@@ -102,11 +101,14 @@ def run_worker(args: Namespace) -> dict | None:
     history.setdefault("lr", [])
     if args.grad_clip is not None:  # the pre-clip norm is computed only when clipping
         history.setdefault("grad_norm", [])
-    measured = _train(args, task, method, optimizer, history, start, device, rank)
+    progress = _progress(args, task, rank, start)
+    if _already_finished(args, task, start, history, progress):
+        return None
+    measured = _train(args, task, method, optimizer, history, start, device, rank, progress)
     if measured is None:
         return None  # a deliberate interruption, for resume tests
     final = evaluate(method, task, device)
-    # A run resumed from its own final checkpoint (e.g. restarted after it) evaluates again: one entry.
+    progress.evaluation(args.steps, final, final=True)
     history["eval"] = [e for e in history["eval"] if e["step"] != args.steps] + [{"step": args.steps, **final}]
     if args.save_dir:
         run_checkpoints.save(args.save_dir, args.steps, method, optimizer, history, args, final=True)
@@ -129,9 +131,29 @@ def run_worker(args: Namespace) -> dict | None:
     return report
 
 
-def _train(args, task, method, optimizer, history, start, device, rank) -> dict | None:
+def _already_finished(args, task, start: int, history: dict, progress) -> bool:
+    """True (rank 0 says so; nothing is trained, evaluated or saved) when the resumed checkpoint
+    is a finished run's (its final evaluation at its last step) at or past --steps, or any
+    checkpoint past --steps; a report of such a run would be a table of n/a."""
+    last = history["eval"][-1] if history["eval"] else None
+    if not (start > args.steps or (start == args.steps and start and last is not None and last["step"] == start)):
+        return False
+    from .progress import metrics_text
+
+    where = args.save_dir if args.resume in ("latest", "auto") else args.resume
+    said = f"; its final evaluation: {metrics_text({k: v for k, v in last.items() if k != 'step'}, task.task_type)}" \
+        if last is not None and last["step"] == start else ""
+    progress.note(f"subnet-train: the run resumed from {where} already finished: its checkpoint holds {start} "
+                  f"optimizer steps (--steps {args.steps}){said}. Nothing to train; raise --steps to train it "
+                  "further, or start a new run with another --save-dir.")
+    progress.close()
+    return True
+
+
+def _train(args, task, method, optimizer, history, start, device, rank, progress=None) -> dict | None:
     """Steps start..args.steps, appending to history; this rank's measurements
-    {memory, activation_bytes, step_time_s}, or None after --stop-after.
+    {memory, activation_bytes, step_time_s}, or None after --stop-after. progress: rank 0's lines
+    and bar (made here when not given).
 
     A step reads nothing to the host: its skip decision stays on the device (OptimizerStep).
     Losses, gradient norms and the skip decisions are read together every --log-every
@@ -140,7 +162,7 @@ def _train(args, task, method, optimizer, history, start, device, rank) -> dict 
     guard.skipped_steps = list(history["skipped"])
     stepper = OptimizerStep(method, optimizer, guard, args, device, taken=len(history["step"]))
     faults = Faults(rank)
-    progress = _progress(rank, start, args.steps)
+    progress = progress if progress is not None else _progress(args, task, rank, start)
     scalars = DeferredScalars(history)
     log_every = getattr(args, "log_every", 10)
     step_times, memory, activation_bytes = [], None, None
@@ -161,17 +183,21 @@ def _train(args, task, method, optimizer, history, start, device, rank) -> dict 
         optimizer.zero_grad(set_to_none=True)
         step_times.append(time.perf_counter() - t0)
         _record(history, scalars, step + 1, loss, record)
-        progress.update(1)
+        progress.step_done()
         boundary = step + 1 == args.steps or bool(args.stop_after and step + 1 - start >= args.stop_after)
         if (step + 1) % log_every == 0 or boundary or _saves_or_evaluates(args, step + 1):
             _settle(history, scalars, guard)
-            progress.set_postfix(loss=f"{history['loss'][-1]:.4f}")
+            if (step + 1) % log_every == 0 or boundary:
+                progress.log(step + 1, history)
         if args.verify_every and (step + 1) % args.verify_every == 0:
             method.verify_consistency()
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
-            history["eval"].append({"step": step + 1, **evaluate(method, task, device)})
+            with progress.paused():
+                history["eval"].append({"step": step + 1, **evaluate(method, task, device)})
+                progress.evaluation(step + 1, {k: v for k, v in history["eval"][-1].items() if k != "step"})
         if args.save_dir and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
-            run_checkpoints.save(args.save_dir, step + 1, method, optimizer, history, args)
+            with progress.paused():
+                run_checkpoints.save(args.save_dir, step + 1, method, optimizer, history, args)
         if args.stop_after and step + 1 - start >= args.stop_after:
             progress.close()
             return None
@@ -281,10 +307,13 @@ def _median(xs):
     return xs[len(xs) // 2] if xs else 0.0
 
 
-def _progress(rank, start, total):
-    from tqdm import tqdm
+def _progress(args, task, rank: int, start: int):
+    """Rank 0's progress lines and terminal bar (progress.py), counting every rank's examples
+    (tokens for a language model) of each optimizer step."""
+    from .progress import TrainingProgress
 
-    # A bar only where someone watches: rank 0 on a terminal (logs and CI get the final table).
-    return tqdm(total=total, initial=start, disable=rank != 0 or not sys.stderr.isatty(), desc="train",
-                leave=False, dynamic_ncols=True, mininterval=0.5)
-
+    language = task.task_type == "language"
+    per_step = args.batch_size * data_rank(args)[1] * args.grad_accum * (args.seq_len if language else 1)
+    if getattr(args, "simulate_rank", None) is not None:  # one rank's batches, in this one process
+        per_step //= args.world_size
+    return TrainingProgress(rank, start, args.steps, per_step, "tokens" if language else "samples", task.task_type)

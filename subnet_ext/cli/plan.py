@@ -2,7 +2,9 @@
 
     subnet-plan --model llama --preset 1b --world-size 8 --coverage 0.25 --level block
 
-The model is built on the meta device (no memory, instant even for the 1B preset).
+The model is built on the meta device (no memory, even for the 1B preset); --memory-budget
+reads and traces it once per level for every owner count it tries
+(bench/results/plan-for-memory-cpu.md).
 FLOPs are traced from one forward of a sample input on the meta device (resnet
 3x32x32 images, mlp its 64 features, llama and gpt [1, --seq-len] tokens), so the bytes and
 FLOP imbalances printed are those of the plan's subnetworks at that input size.
@@ -32,23 +34,32 @@ MIB = 2 ** 20
 
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of `subnet-plan` (model, preset, width, world size, coverage, level, ...)."""
-    p = argparse.ArgumentParser(prog="subnet-plan", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=("mlp", "resnet", "llama", "gpt"), default="llama")
-    p.add_argument("--preset", default=None,
-                   help=f"llama preset: {', '.join(LLAMA_PRESETS)}; gpt preset: {', '.join(GPT_PRESETS)} (default tiny)")
-    p.add_argument("--width", type=int, default=None, help="mlp/resnet width")
-    p.add_argument("--world-size", type=int, default=8)
-    p.add_argument("--coverage", type=float, default=0.5)
-    p.add_argument("--level", choices=LEVELS, default="block")
-    p.add_argument("--regime", choices=REGIMES, default="forward")
-    p.add_argument("--seed", type=int, default=0)
+    from .arguments import HelpFormatter
+
+    p = argparse.ArgumentParser(prog="subnet-plan", description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--model", choices=("mlp", "resnet", "llama", "gpt"), default="llama", help="the model to plan")
+    p.add_argument("--preset", default=None, help=f"llama preset: {'|'.join(LLAMA_PRESETS)}; gpt preset: "
+                                                  f"{'|'.join(GPT_PRESETS)} (default: tiny)")
+    p.add_argument("--width", type=int, default=None,
+                   help="mlp and resnet: hidden width (default: mlp 128, resnet 64)")
+    p.add_argument("--world-size", type=int, default=8, metavar="K", help="ranks the plan is made for")
+    p.add_argument("--coverage", type=float, default=0.5, metavar="C",
+                   help="fraction of ranks owning each unit, in (0, 1]; round(C x K) owners, at least one "
+                        "(chosen, not read, with --memory-budget)")
+    p.add_argument("--level", choices=LEVELS, default="block",
+                   help="unit: whole residual blocks, or neurons, attention heads and conv channels (chosen with "
+                        "--memory-budget)")
+    p.add_argument("--regime", choices=REGIMES, default="forward",
+                   help="the regime whose memory and communication the cost table predicts (chosen with "
+                        "--memory-budget)")
+    p.add_argument("--seed", type=int, default=0, help="relabels the ranks by a seeded permutation (0: none)")
     p.add_argument("--seq-len", type=int, default=64, help="llama, gpt: tokens in the traced sample (FLOPs)")
-    p.add_argument("--json", default=None, help="also write the plan as JSON to this path")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the plan as JSON to PATH (default: no file)")
     p.add_argument("--memory-budget", type=_budget, default=None, metavar="SIZE",
                    help="per-rank memory budget, e.g. 8GiB, 512MiB, 1.5GB: choose level, coverage, regime, sharding "
-                        "and activation checkpointing that fit it (subnet_ext.plan_for_memory; --coverage, --level "
-                        "and --regime are then chosen, not read), printing every candidate's predicted peak")
+                        "and activation checkpointing that fit it (subnet_ext.plan_for_memory, every owner count from "
+                        "--world-size down to 1; --coverage, --level and --regime are then chosen, not read), "
+                        "printing every candidate's predicted peak (default: none, plan as given)")
     p.add_argument("--batch-size", type=int, default=1,
                    help="samples per rank in the traced batch (activations in --memory-budget's predictions)")
     p.add_argument("--optimizer", choices=("adamw", "sgd", "sgd_momentum"), default="adamw",

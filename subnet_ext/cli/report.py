@@ -52,28 +52,45 @@ def summary_row(report: dict, baseline: dict | None = None) -> dict:
 
 
 def markdown_table(reports: list[dict], baseline_label: str = "ddp") -> str:
-    """One row per run; ratios against the run labelled `baseline_label` (if present)."""
+    """One row per run. Ratio and difference columns against the run labelled `baseline_label`
+    only when it is among `reports` beside other runs (a comparison that was made); the
+    ensemble column only when some run evaluated an ensemble."""
     base = next((r for r in reports if r["label"] == baseline_label), None)
+    compared = base is not None and len(reports) > 1
     task = reports[0]["task"]
     qname = "test acc" if task == "classification" else "eval loss"
-    head = (f"| run | {qname} (full) | {qname} (ensemble) | Δ vs {baseline_label} | model state MiB/rank | ×{baseline_label} "
-            "| params | grads | optim | activations MiB | comm MiB/step | ×ddp | collectives/step | step ms | ×ddp "
-            f"| {reports[0]['throughput_unit']}/s |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for rep in reports:
-        r = summary_row(rep, base)
-        fmt_q = (lambda v: "n/a" if v is None else (f"{100 * v:.2f}%" if task == "classification" else f"{v:.4f}"))
-        delta = r.get("quality_minus_base")
-        delta_s = "n/a" if delta is None else (f"{100 * delta:+.2f} pp" if task == "classification" else f"{delta:+.4f}")
-        ratio = lambda k: "n/a" if r.get(k) is None else f"{r[k]:.3f}"  # noqa: E731
-        lines.append(
-            f"| {r['run']} | {fmt_q(r['quality'])} | {fmt_q(r['ensemble'])} | {delta_s} | {_mib(r['model_state_bytes'])} "
-            f"| {ratio('model_state_bytes_vs_base')} | {_mib(r['param_bytes'])} | {_mib(r['grad_bytes'])} "
-            f"| {_mib(r['optim_bytes'])} | {_mib(r['activation_bytes'])} | {_mib(r['comm_bytes_per_step'])} "
-            f"| {ratio('comm_bytes_per_step_vs_base')} | {r['collectives_per_step']:.1f} | {1e3 * r['step_time_s']:.2f} "
-            f"| {ratio('step_time_s_vs_base')} | {_count(r['throughput'])} |"
-        )
-    sources = sorted({summary_row(rep)["comm_source"] for rep in reports})
+    rows = [summary_row(rep, base if compared else None) for rep in reports]
+    fmt_q = (lambda v: "n/a" if v is None else (f"{100 * v:.2f}%" if task == "classification" else f"{v:.4f}"))
+
+    def ratio(key):
+        return lambda r: "n/a" if r.get(key) is None else f"{r[key]:.3f}"
+
+    def delta(r):
+        d = r.get("quality_minus_base")
+        return "n/a" if d is None else (f"{100 * d:+.2f} pp" if task == "classification" else f"{d:+.4f}")
+
+    versus = f"×{baseline_label}"
+    columns = [("run", lambda r: r["run"]), (f"{qname} (full)", lambda r: fmt_q(r["quality"]))]
+    if any(r["ensemble"] is not None for r in rows):
+        columns.append((f"{qname} (ensemble)", lambda r: fmt_q(r["ensemble"])))
+    if compared:
+        columns.append((f"Δ vs {baseline_label}", delta))
+    columns.append(("model state MiB/rank", lambda r: _mib(r["model_state_bytes"])))
+    if compared:
+        columns.append((versus, ratio("model_state_bytes_vs_base")))
+    columns += [("params", lambda r: _mib(r["param_bytes"])), ("grads", lambda r: _mib(r["grad_bytes"])),
+                ("optim", lambda r: _mib(r["optim_bytes"])), ("activations MiB", lambda r: _mib(r["activation_bytes"])),
+                ("comm MiB/step", lambda r: _mib(r["comm_bytes_per_step"]))]
+    if compared:
+        columns.append((versus, ratio("comm_bytes_per_step_vs_base")))
+    columns += [("collectives/step", lambda r: f"{r['collectives_per_step']:.1f}"),
+                ("step ms", lambda r: f"{1e3 * r['step_time_s']:.2f}")]
+    if compared:
+        columns.append((versus, ratio("step_time_s_vs_base")))
+    columns.append((f"{reports[0]['throughput_unit']}/s", lambda r: _count(r["throughput"])))
+    lines = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(f(r) for _, f in columns) + " |" for r in rows]
+    sources = sorted({r["comm_source"] for r in rows})
     lines.append("")
     lines.extend(_training_lines(reports))
     lines.append("Memory: worst rank, bytes of parameters + gradients + optimizer state held by that rank; "

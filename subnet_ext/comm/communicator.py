@@ -86,8 +86,9 @@ class Communicator:
         timeout: seconds any collective may wait for its peers before
             collectives.CollectiveError (None: the process group's own timeout). It is
             the timeout of the groups made here: one per owner set, and, when a timeout
-            is given, one of all the plan's ranks for the world-wide buckets and the
-            refresh (so that `process_group`'s own timeout does not apply). The waits
+            is given and the plan's ranks are the default group's, one of all of them for
+            the world-wide buckets and the refresh (so that the default group's own timeout
+            does not apply; a `process_group` given is used as it is, with its timeout). The waits
             themselves pass no timeout: a host-side deadline would make the CPU wait for
             every bucket on NCCL.
         module_sets: owner sets whose group a module needs (a SyncBatchNorm's), made even
@@ -114,7 +115,11 @@ class Communicator:
         for s in sorted(sets):
             if len(s) < 2 and s not in module_sets:
                 continue
-            if len(s) == world_size and timeout is None:
+            # All of a given group's ranks: that group itself. A group made inside it would be made by
+            # its members only (below), which advances torch's count of groups on them alone, so the
+            # next new_group of the whole world would hang (distributed_c10d._process_group_name);
+            # the world-wide collectives then keep the given group's own timeout.
+            if len(s) == world_size and (timeout is None or not default):
                 self.groups[s] = world_pg
                 continue
             ranks = list(s) if default else [dist.get_global_rank(world_pg, r) for r in s]

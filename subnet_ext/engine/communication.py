@@ -22,6 +22,7 @@ from ..planning.buckets import build_buckets, refresh_broadcasts
 from ..planning.costs import choose_strategy
 from ..planning.plan import SubnetPlan
 from ..planning.sharding import communicated_pieces
+from ..state.drift_check import DriftCheck
 from ..state.layout import RankLayout
 from .config import SDPConfig
 from .wrapping import gradient_reduction
@@ -31,7 +32,8 @@ from .wrapping import gradient_reduction
 class EngineCommunication:
     """What the engine communicates with. counter: its `steps` is the engine's one count of
     optimizer steps. refresh: backward regime only. leader_buffers: buffer_sync="broadcast"
-    with several real ranks and floating buffers only."""
+    with several real ranks and floating buffers only. drift: the owners' periodic comparison
+    (state/drift_check.py; off for one rank or a simulated one)."""
 
     strategy: str
     strategy_costs: dict
@@ -40,6 +42,7 @@ class EngineCommunication:
     averager: BucketedAverager
     refresh: dict  # {period: CopyRefresher} (backward regime: the pieces of each synchronisation period)
     leader_buffers: LeaderBuffers | None
+    drift: DriftCheck
 
 
 def piece_periods(plan: SubnetPlan, config: SDPConfig):
@@ -85,4 +88,7 @@ def build_communication(plan: SubnetPlan, layout: RankLayout, config: SDPConfig,
                                        places, comm)
     leader_buffers = LeaderBuffers(plan, layout.pieces, places, rank, comm, device) \
         if broadcast_buffers and world_size > 1 and not simulated else None
-    return EngineCommunication(strategy, costs, counter, comm, averager, refresh, leader_buffers)
+    # Compared where every synchronisation period ends (the least common multiple of the periods).
+    drift = DriftCheck(layout, comm, config.drift_check_every, config.longest_period,
+                       communicate=world_size > 1 and not simulated, timeout=config.timeout)
+    return EngineCommunication(strategy, costs, counter, comm, averager, refresh, leader_buffers, drift)

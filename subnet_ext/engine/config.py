@@ -26,6 +26,14 @@ from ..planning.plan import ReadOnlyDict, SubnetPlan
 from ..planning.schedule import OwnershipSchedule, check_periods
 from ..vocabulary import REGIMES
 
+# The engine's deadline for its collectives and for the check that every rank calls a collective
+# method (comm/call_check.py), in seconds: subnet-train's --timeout default too. A rank that never
+# comes (a collective method under `if rank == 0:`) is an error on every rank after about this
+# long, not after the process group's 10 or 30 minutes (tests/comm/test_call_order.py).
+DEFAULT_TIMEOUT_S = 300.0
+# N of the drift check (state/drift_check.py): the owners' copies are compared every N optimizer
+# steps; its cost is measured in bench/results/drift-check-cpu.md.
+DEFAULT_DRIFT_CHECK_EVERY = 20
 SCALES = ("none", "inverse")
 EVAL_FORWARDS = ("subnetwork", "full")  # what a forward in eval mode runs (eval_mode.py)
 BUFFER_SYNCS = ("average", "broadcast")  # how owners agree on buffers (comm/buffer_sync.py)
@@ -57,8 +65,17 @@ class SDPConfig:
         overlap: issue each bucket's all-reduce during the backward as soon as its
             gradients are ready (False: all of them when the backward ends; same results).
         timeout: seconds any of the engine's collectives may take before it raises a
-            CollectiveError naming the operation and the group (None: the process
-            group's own timeout).
+            CollectiveError naming the operation and the group, and that rank 0 waits for
+            every rank to call a collective method (CallOrderError). Default
+            DEFAULT_TIMEOUT_S = 300 s (subnet-train's --timeout); None: the process group's
+            own timeout (torch's default: 10 minutes for NCCL, 30 for gloo).
+        drift_check_every: N: every N optimizer steps (with periods H > 1, every ceil(N / L) x L
+            steps, L their least common multiple: right after everything was averaged) the
+            owners of every piece with two or more owners compare a
+            checksum of their copies, in one small all-reduce, and a divergence raises
+            ConsistencyError on every rank naming the pieces and the likely cause
+            (`torch.nn.utils.clip_grad_norm_` over `sdp.parameters()`). Default
+            DEFAULT_DRIFT_CHECK_EVERY; 0 or None: never (state/drift_check.py).
         shard_shared: shard the plan's shared parameters over the group with torch's FSDP2
             (gathered per use, gradients reduce-scattered, optimizer state sharded); SDP
             averages only the units. Needs sync_every=1, torch.distributed and no
@@ -89,7 +106,7 @@ class SDPConfig:
     latency_bytes: float = DEFAULT_LATENCY_BYTES
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
     overlap: bool = True
-    timeout: float | None = None
+    timeout: float | None = DEFAULT_TIMEOUT_S
     shard_shared: bool = False
     eval_forward: str = "subnetwork"
     buffer_sync: str = "average"
@@ -98,6 +115,7 @@ class SDPConfig:
     reassign_every: int = 0
     assignment_shift: int = 1
     assignment_seed: int = 0
+    drift_check_every: int | None = DEFAULT_DRIFT_CHECK_EVERY
 
     def __post_init__(self):
         if isinstance(self.sync_every, Mapping):
@@ -129,6 +147,9 @@ class SDPConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         as_timedelta(self.timeout)  # a positive, finite number of seconds, or None
+        every = self.drift_check_every
+        if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 0):
+            raise ValueError(f"drift_check_every must be an int >= 0 (0 or None: no check), got {every!r}")
         if self.shard_shared and not self.every_step:
             raise ValueError(f"shard_shared=True averages the shared parameters' gradients every step (FSDP2's "
                              f"reduce-scatter), so it needs sync_every=1, got sync_every={self.sync_every}; use "

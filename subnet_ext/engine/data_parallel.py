@@ -174,7 +174,7 @@ class SubnetDataParallel(DDPInterface, EngineParts, nn.Module):
                                 (self._strategy, self._strategy_costs) if again else None)
         self._strategy, self._strategy_costs, self._counter = c.strategy, c.strategy_costs, c.counter
         self._comm = c.comm
-        self._averager, self._refresh, self._leader_buffers = c.averager, c.refresh, c.leader_buffers
+        self._averager, self._refresh, self._leader_buffers, self._drift = c.averager, c.refresh, c.leader_buffers, c.drift
 
     def _install_hooks(self, model: nn.Module) -> None:
         """The averager's gradient hooks for this assignment (it is told directly when a gradient is
@@ -214,6 +214,7 @@ class SubnetDataParallel(DDPInterface, EngineParts, nn.Module):
             for period, refresh in self._refresh.items():
                 if steps % period == 0:
                     refresh()
+            self._drift.after_step(steps)  # every drift_check_every steps, where every period ends
         if self.schedule.changes_at(self._counter.steps):
             if self._phase is Phase.ACCUMULATING:
                 raise RuntimeError(

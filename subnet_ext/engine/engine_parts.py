@@ -13,12 +13,14 @@ from ..comm.averaging import BucketedAverager
 from ..comm.call_check import CallLedger
 from ..comm.communicator import Communicator
 from ..comm.refresh import CopyRefresher
+from ..state.drift_check import DriftCheck
 from ..state.layout import RankLayout
 from .shared_shards import SharedShards
 
 
 class EngineParts:
-    """device, skeleton, layout, communicator, averager, refresh, shared_shards and call_ledger of a SubnetDataParallel."""
+    """device, skeleton, layout, communicator, averager, refresh, shared_shards, call_ledger and drift_check of a
+    SubnetDataParallel."""
 
     @property
     def device(self) -> torch.device:
@@ -70,3 +72,9 @@ class EngineParts:
     def call_ledger(self) -> CallLedger:
         """The check that every rank calls the collective methods in one order (comm/call_check.py)."""
         return self._call_ledger
+
+    @property
+    def drift_check(self) -> DriftCheck:
+        """The owners' comparison every SDPConfig.drift_check_every steps (state/drift_check.py); its
+        `checks` counts the comparisons made."""
+        return self._drift

@@ -6,12 +6,17 @@ predicted per-rank peak (planning/memory_model.py) fits.
         ...  # checkpoint the blocks (subnet_ext.cli.training.apply_activation_checkpointing) first
     sdp = sx.SubnetDataParallel(model, fit.plan, **fit.sdp_kwargs)
 
-The candidates are tried in PREFERENCE order; within one, the variants that change only where
-tensors live (not the updates) go from cheapest in time to cheapest in memory: as is, shared
-parameters sharded by FSDP2, activation checkpointing, both.
+Every owner count from K down to 1 is tried (`owner_counts`): each coverage of PREFERENCE stands
+for the counts from its own down to the next lower one's, with its (level, regime) entries in
+PREFERENCE order (at K = 8: C = 1's entry at 8, 7, 6 and 5 owners, the C = 0.5 entries at 4, 3
+and 2, C = 1/K's at 1); within one, the variants that change only where tensors live (not the
+updates) go from cheapest in time to cheapest in memory: as is, shared parameters sharded by
+FSDP2, activation checkpointing, both. The model is read and traced once per level, so the
+1B preset at K = 8 takes about as long as a few plain plans (bench/results/plan-for-memory-cpu.md).
 """
 from __future__ import annotations
 
+import sys
 import warnings
 from dataclasses import dataclass, field
 
@@ -19,7 +24,8 @@ import torch.nn as nn
 
 from .activation_trace import trace_activations
 from .memory_model import worst_rank_memory
-from .plan import SubnetPlan, plan_subnetworks
+from .coverage import owners_per_unit
+from .plan import SubnetPlan, model_units, plan_from_units
 from .sizes import format_size, parse_size
 
 # (level, regime, coverage) from most to least preferred. Where the order comes from: the CPU
@@ -117,35 +123,65 @@ def _coverage(value, world_size: int) -> float:
     return 1.0 / world_size if value == "1/K" else float(value)
 
 
-def _candidates(model, world_size, sample_input, optimizer, seed):
-    """Every (configuration, prediction) in preference order; each plan traced once."""
-    out, plans = [], {}
+def owner_counts(world_size: int) -> list[tuple[int, list[tuple[str, str]]]]:
+    """[(owners per unit, [(level, regime), ...])] in the order plan_for_memory tries them: every
+    owner count from K down to 1. Each coverage of PREFERENCE (in its order) stands for the
+    owner counts from its own down to the next lower one's, excluded, tried with its
+    (level, regime) entries in PREFERENCE order: at K = 8, block/forward at 8, 7, 6 and 5 owners;
+    neuron/forward, block/forward and block/backward at 4, 3 and 2; block/forward at 1."""
+    tiers = {}  # owner count -> [(level, regime)], in PREFERENCE order
     for level, regime, cov in PREFERENCE:
         coverage = _coverage(cov, world_size)
         if world_size == 1 and coverage < 1.0:
             continue  # one rank holds everything
-        key = (level, coverage)
-        if key not in plans:
-            with warnings.catch_warnings():
-                # C = 1/K gives every unit one owner, which the planner rightly warns about; here
-                # it is one candidate among many, and the table says what it costs.
-                warnings.simplefilter("ignore", UserWarning)
-                plan = plan_subnetworks(model, world_size, coverage, level, seed, sample_input=sample_input)
-            plans[key] = (plan, trace_activations(model, plan, sample_input) if sample_input is not None else None)
-        plan, trace = plans[key]
-        for shard, ac in VARIANTS:
-            if (shard and world_size == 1) or (ac and (trace is None or not trace.block_inputs)):
-                continue  # nothing to shard over / no residual block to checkpoint
-            predicted = worst_rank_memory(plan, trace, regime=regime, optimizer=optimizer, shard_shared=shard,
-                                          activation_checkpointing=ac)
-            out.append(Candidate(level, regime, coverage, shard, ac, predicted, plan))
+        entries = tiers.setdefault(owners_per_unit(world_size, coverage), [])
+        if (level, regime) not in entries:
+            entries.append((level, regime))
+    out = []
+    for n, entries in tiers.items():
+        lower = max((m for m in tiers if m < n), default=0)
+        out += [(count, entries) for count in range(n, lower, -1)]
+    return out
+
+
+def _candidates(model, world_size, sample_input, optimizer, seed, progress):
+    """Every (configuration, prediction) in the order owner_counts gives, each with every VARIANT.
+    The model is read once per level (model_units) and traced once per level: a plan at another
+    owner count differs only in its owners."""
+    out, units, traces, plans = [], {}, {}, {}
+    order = owner_counts(world_size)
+    for step, (count, entries) in enumerate(order, 1):
+        coverage = count / world_size
+        for level, regime in entries:
+            if level not in units:
+                units[level] = model_units(model, level, sample_input=sample_input)
+            if (level, count) not in plans:
+                with warnings.catch_warnings():
+                    # One owner per unit (or ranks tied by the shared parameters alone) makes the planner
+                    # warn; here it is one candidate among many, and the table says what it costs.
+                    warnings.simplefilter("ignore", UserWarning)
+                    plans[level, count] = plan_from_units(units[level], world_size, coverage, seed)
+            plan = plans[level, count]
+            if level not in traces:  # what a unit saves depends on its level, not on its owners
+                traces[level] = trace_activations(model, plan, sample_input) if sample_input is not None else None
+            trace = traces[level]
+            for shard, ac in VARIANTS:
+                if (shard and world_size == 1) or (ac and (trace is None or not trace.block_inputs)):
+                    continue  # nothing to shard over / no residual block to checkpoint
+                predicted = worst_rank_memory(plan, trace, regime=regime, optimizer=optimizer, shard_shared=shard,
+                                              activation_checkpointing=ac)
+                out.append(Candidate(level, regime, coverage, shard, ac, predicted, plan))
+        if progress:
+            print(f"plan_for_memory: {step}/{len(order)} owner counts tried ({count} of {world_size} owners per "
+                  f"unit, C = {coverage:g}: {', '.join(f'{lv}/{rg}' for lv, rg in entries)})", file=sys.stderr,
+                  flush=True)
     return out
 
 
 def plan_for_memory(model: nn.Module, world_size: int, budget, sample_input=None, optimizer="adamw",
                     seed: int = 0, margin: float = MARGIN, verbose: bool = True) -> MemoryFit:
-    """The most preferred configuration (PREFERENCE, then VARIANTS) whose predicted worst-rank
-    peak of one training step fits `budget` per rank.
+    """The most preferred configuration (owner_counts' order, then VARIANTS) whose predicted
+    worst-rank peak of one training step fits `budget` per rank.
 
     Args:
         model: the full model (any device, meta included). world_size: K ranks.
@@ -155,12 +191,12 @@ def plan_for_memory(model: nn.Module, world_size: int, budget, sample_input=None
         optimizer: as memory_model.optimizer_moments ("adamw", "sgd", "sgd_momentum", an optimizer).
         margin: a candidate fits when predicted peak x (1 + margin) <= budget (MARGIN: the model's
             tested accuracy).
-        verbose: print the candidates' table (and the choice).
+        verbose: print a progress line per owner count (stderr), the candidates' table and the choice.
     Raises:
         NoConfigurationFits: nothing fits; the message names the budget and the smallest peak.
     """
     budget = parse_size(budget)
-    candidates = _candidates(model, world_size, sample_input, optimizer, seed)
+    candidates = _candidates(model, world_size, sample_input, optimizer, seed, verbose)
     chosen = next((c for c in candidates if _fits(c.predicted, budget, margin)), None)
     table = candidates_table(candidates, budget, chosen.predicted if chosen else None, margin)
     if verbose:

@@ -72,6 +72,7 @@ def warn_if_rounded(coverage: float, world_size: int, owners: int) -> None:
         return
     why = (f"below 1/(2K) = {0.5 / world_size:g}, raised to one owner per unit" if coverage * world_size < 0.5
            else f"round({coverage:g} x {world_size}) = {owners} owner(s) per unit")
+    # stacklevel: warn_if_rounded < plan._plan < plan_subnetworks (or plan_from_units) < its caller
     warnings.warn(f"SubnetPlan: coverage {coverage:g} at world size {world_size} is {why}: each unit gets "
                   f"{owners} owner(s), an effective coverage of {owners}/{world_size} = {effective:g}. Ask for a "
-                  f"multiple of 1/{world_size} to get exactly what you ask for.", stacklevel=3)
+                  f"multiple of 1/{world_size} to get exactly what you ask for.", stacklevel=4)

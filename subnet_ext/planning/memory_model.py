@@ -48,6 +48,8 @@ unsharded gradient at the end of backward.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .activation_trace import ActivationTrace
@@ -147,14 +149,34 @@ def replicated_model_state(plan, optimizer="adamw", world_size: int = 1) -> floa
     return plan.full_bytes * (2 + optimizer_moments(optimizer)) / world_size
 
 
+_PER_PLAN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # plan -> {key: what every rank shares}
+
+
+def _per_plan(plan, key, compute):
+    """compute(), once per (plan, key): what is the same for every rank of a plan (its buckets, its
+    refresh buffer, every rank's gathered weights) is computed once, not once per rank and
+    configuration (plan_for_memory asks for dozens of them on a 1B model). Plans never change."""
+    memo = _PER_PLAN.setdefault(plan, {})
+    if key not in memo:
+        memo[key] = compute()
+    return memo[key]
+
+
+def _bucket_sizes(plan, shard_shared: bool, bucket_cap_bytes: float) -> list[tuple[tuple, float]]:
+    """[(owners, bytes)] of every bucket buffer of the plan's communication (the same on every rank)."""
+    strategy, _ = choose_strategy(plan, shard_shared=shard_shared, bucket_cap_bytes=bucket_cap_bytes)
+    buckets = build_buckets(plan, communicated_pieces(plan, shard_shared), strategy, bucket_cap_bytes)
+    return [(b.owners, float(b.nbytes)) for b in buckets]
+
+
 def _buckets(plan, rank: int, shard_shared: bool, bucket_cap_bytes: float) -> tuple[float, float]:
     """(bytes of every bucket buffer `rank` fills, bytes of its largest): the buffers are kept
     between steps; a zero-filled bucket spans pieces the rank does not hold (comm/averaging.py)."""
     if plan.world_size == 1:
         return 0.0, 0.0
-    strategy, _ = choose_strategy(plan, shard_shared=shard_shared, bucket_cap_bytes=bucket_cap_bytes)
-    buckets = build_buckets(plan, communicated_pieces(plan, shard_shared), strategy, bucket_cap_bytes)
-    sizes = [float(b.nbytes) for b in buckets if rank in b.owners]
+    every = _per_plan(plan, ("buckets", shard_shared, bucket_cap_bytes),
+                      lambda: _bucket_sizes(plan, shard_shared, bucket_cap_bytes))
+    sizes = [n for owners, n in every if rank in owners]
     return sum(sizes), max(sizes, default=0.0)
 
 
@@ -214,13 +236,23 @@ def _gathered_bytes(plan, rank: int, regime: str) -> float:
     one owner set is one piece; a single piece is the weight itself, nothing is gathered)."""
     if (regime, plan.level) != ("forward", "neuron"):
         return 0.0
-    owned, sets, total = plan.owners[rank], plan.unit_owner_sets(), 0.0
-    for a, b in plan.unit_ranges:
-        units = [u for u in range(a, b) if owned[u]]
-        pieces = sum(1 for i, u in enumerate(units) if i == 0 or u != units[i - 1] + 1 or sets[u] != sets[units[i - 1]])
-        if pieces > 1:
-            total += float(plan.unit_bytes[units].sum())
-    return total
+    return float(_per_plan(plan, "gathered", lambda: _gathered_per_rank(plan))[rank])
+
+
+def _gathered_per_rank(plan) -> torch.Tensor:
+    """float64 [K]: _gathered_bytes of every rank at once, in tensors (a 1B model has tens of
+    thousands of units)."""
+    sets = plan.unit_owner_sets()
+    index = {s: i for i, s in enumerate(dict.fromkeys(sets))}
+    set_id = torch.tensor([index[s] for s in sets])
+    group_of = torch.cat([torch.full((b - a,), g) for g, (a, b) in enumerate(plan.unit_ranges)])
+    owned = plan.owners
+    same_run = torch.zeros_like(owned)  # unit u continues the piece of unit u - 1 on that rank
+    same_run[:, 1:] = owned[:, :-1] & (set_id[1:] == set_id[:-1]) & (group_of[1:] == group_of[:-1])
+    shape = (plan.world_size, len(plan.unit_ranges))
+    pieces = torch.zeros(shape, dtype=torch.float64).index_add_(1, group_of, (owned & ~same_run).double())
+    held = torch.zeros(shape, dtype=torch.float64).index_add_(1, group_of, owned.double() * plan.unit_bytes)
+    return (held * (pieces > 1)).sum(1)
 
 
 def _communicated_gradients(plan, rank: int, shard_shared: bool) -> float:
@@ -233,8 +265,9 @@ def _communicated_gradients(plan, rank: int, shard_shared: bool) -> float:
 def _refresh_buffer_bytes(plan) -> float:
     """The backward regime's refresh buffer (comm/refresh.py): one buffer serves every leader's
     broadcast in turn, sized to the largest (buckets.refresh_broadcasts: the layout the engine packs);
-    allocated on every rank, simulated ones too."""
-    return float(max((b.nbytes for _, b in refresh_broadcasts(plan, global_pieces(plan))), default=0))
+    allocated on every rank, simulated ones too. Once per plan (the budget planner asks for every rank)."""
+    return _per_plan(plan, "refresh", lambda: float(max((b.nbytes for _, b in refresh_broadcasts(plan, global_pieces(plan))),
+                                                        default=0)))
 
 
 def _persistent_extras(plan, rank: int, regime: str, shard_shared: bool, buckets: float, communicated: float) -> float:

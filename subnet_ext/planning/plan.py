@@ -24,8 +24,6 @@ Parts:
 """
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import math
 import random
@@ -36,16 +34,13 @@ import torch
 import torch.nn as nn
 
 from .assign import assign_blocks, assign_neurons, assign_per_rank
-from .flops import trace_unit_flops
 from .plan_json import check_plan_json
 from .summary import plan_summary
 from .coverage import check_arguments, describe, is_per_rank, owners_per_unit, warn_if_rounded
 from .rank_graph import check_ranks_tied, components, rank_graph, spectral_gap
-from .aliases import find_aliases
-from .blocks import find_blocks
 from .plan_costs import FLOAT_DTYPES, plan_costs
-from .units import UnitGroup, check_no_chained, find_neuron_groups
-from .unsplit import no_units_error
+from .model_units import ModelUnits, model_fingerprint, model_units  # noqa: F401  (the plan's API)
+from .units import UnitGroup
 from ..vocabulary import dtype_size
 
 
@@ -68,14 +63,6 @@ class ReadOnlyDict(dict):
 
     def __reduce__(self):
         return type(self), (dict(self),)
-
-
-def model_fingerprint(model: nn.Module) -> str:
-    """Hash of the names, shapes and dtypes of every state-dict entry (structure, not values)."""
-    h = hashlib.sha256()
-    for name, t in model.state_dict(keep_vars=True).items():
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
-    return h.hexdigest()[:16]
 
 
 class SubnetPlan:
@@ -234,9 +221,13 @@ class SubnetPlan:
         return self.shared_bytes + float(self.unit_bytes.sum())
 
     def unit_owner_sets(self) -> list[tuple[int, ...]]:
-        """[U] the owner set (ascending ranks) of each unit, in unit order."""
-        ranks = list(range(self.world_size))
-        return [tuple(q for q, held in zip(ranks, column) if held) for column in self._owners.t().tolist()]
+        """[U] the owner set (ascending ranks) of each unit, in unit order. Computed once (the plan
+        never changes; the memory model and the pieces ask for it per rank and per candidate)."""
+        if "_owner_sets" not in self.__dict__:
+            distinct, which = torch.unique(self._owners.t(), dim=0, return_inverse=True)
+            sets = [tuple(torch.nonzero(row).flatten().tolist()) for row in distinct]
+            self.__dict__["_owner_sets"] = tuple(sets[i] for i in which.tolist())  # a cache, not state
+        return list(self.__dict__["_owner_sets"])
 
     def owner_sets(self) -> list[tuple[int, ...]]:
         """Distinct owner sets of the units, in one canonical order (sorted)."""
@@ -396,39 +387,33 @@ def plan_subnetworks(model: nn.Module, world_size: int, coverage: float, level: 
     """
     # why one function: the planner's steps in order (units, owners, costs, checks), each a call
     check_arguments(world_size, coverage, level, seed)
-    unsplit = {}  # {module path: why it is no unit}, for summary()
-    groups = find_blocks(model, blocks, sample_input, unsplit) if level == "block" else \
-        find_neuron_groups(model, neuron_groups, unsplit)
-    if not groups:
-        raise no_units_error(model, level, unsplit)
-    check_no_chained(groups)
-    sd = model.state_dict(keep_vars=True)
-    in_units = {m.name for g in groups for m in g.members} | {n for g in groups for n in g.params + g.buffers}
-    aliases = find_aliases(model, groups)
-    in_units -= set(aliases)  # a block's own tied pair: the canonical name carries it
-    groups = [dataclasses.replace(g, params=[n for n in g.params if n not in aliases],
-                                  buffers=[n for n in g.buffers if n not in aliases]) for g in groups]
-    shared = [n for n in sd if n not in in_units and n not in aliases]
-    shapes = {n: tuple(t.shape) for n, t in sd.items()}
-    dtypes = {n: str(t.dtype).replace("torch.", "") for n, t in sd.items()}
+    return _plan(model_units(model, level, blocks, neuron_groups, sample_input), world_size, coverage, seed,
+                 block_assignment)
+
+
+def plan_from_units(units: ModelUnits, world_size: int, coverage, seed: int = 0,
+                    block_assignment="balanced") -> SubnetPlan:
+    """The plan plan_subnetworks(model, world_size, coverage, units.level, seed, ...) makes, from
+    model_units(model, ...): the same plan, bit for bit, without reading the model again."""
+    check_arguments(world_size, coverage, units.level, seed)
+    return _plan(units, world_size, coverage, seed, block_assignment)
+
+
+def _plan(units: ModelUnits, world_size: int, coverage, seed: int, block_assignment: str) -> SubnetPlan:
+    # Called by both public functions, so that warnings name their caller's line (stacklevels).
     k = world_size
     r = None if is_per_rank(coverage) else owners_per_unit(world_size, coverage)
     if r is not None:
         warn_if_rounded(coverage, k, r)
-
-    param_names = [n for n, _ in model.named_parameters()]
-    ranges = _unit_ranges(groups)
-    flops = None
-    if sample_input is not None:
-        unit_flops, shared_flops, source = trace_unit_flops(model, groups, sample_input)
-        flops = {"unit": unit_flops.tolist(), "shared": shared_flops, "source": source}
-    owners = _assign(level, k, r, groups, ranges, flops, block_assignment, coverage, shapes=shapes, dtypes=dtypes,
-                     shared=shared, param_names=param_names)
+    groups = list(units.groups)  # frozen dataclasses: shared between the plans of one ModelUnits
+    owners = _assign(units.level, k, r, groups, _unit_ranges(groups), units.flops, block_assignment, coverage,
+                     shapes=units.shapes, dtypes=units.dtypes, shared=units.shared, param_names=units.param_names)
     if seed:
         perm = list(range(k))
         random.Random(seed).shuffle(perm)
         owners = owners[torch.tensor(perm)]
     coverage = tuple(float(c) for c in coverage) if is_per_rank(coverage) else float(coverage)
-    return SubnetPlan(world_size=k, coverage=coverage, level=level, seed=seed, groups=groups, owners=owners,
-                      shared=shared, tensor_shapes=shapes, tensor_dtypes=dtypes, param_names=param_names,
-                      fingerprint=model_fingerprint(model), flops=flops, aliases=aliases, unsplit=unsplit)
+    return SubnetPlan(world_size=k, coverage=coverage, level=units.level, seed=seed, groups=groups, owners=owners,
+                      shared=list(units.shared), tensor_shapes=dict(units.shapes), tensor_dtypes=dict(units.dtypes),
+                      param_names=list(units.param_names), fingerprint=units.fingerprint, flops=units.flops,
+                      aliases=dict(units.aliases), unsplit=dict(units.unsplit))

@@ -70,9 +70,11 @@ def check_ranks_tied(parts: list[list[int]], coverage: str, owners_per_unit: str
         raise ValueError(f"the rank graph is disconnected: ranks {apart} share no unit with rank 0 and no "
                          f"parameter is shared, so their models never mix (components {parts}). "
                          f"Raise the coverage (now {coverage}) or keep some parameters shared.")
-    if on_first_rank():  # every rank builds the plan; one says it
+    # Every rank builds the plan; one says it. stacklevel: here < SubnetPlan.check < __init__ < plan._plan
+    # < plan_subnetworks (or plan_from_units) < its caller.
+    if on_first_rank():
         warnings.warn(f"SubnetPlan: ranks {apart} share no unit with rank 0 (components {parts}, world size {k}, "
                       f"coverage {coverage}, {owners_per_unit}): only the shared parameters tie their "
                       "models together, and each unit is trained on its owners' data alone. This is legitimate "
                       "(coverage 1/K gives every unit one owner); raise the coverage so units have 2+ owners if the "
-                      "subnetworks should mix.", stacklevel=5)
+                      "subnetworks should mix.", stacklevel=6)

@@ -104,7 +104,7 @@ def test_public_surface_is_the_documented_one():
     assert public == sorted([
         "module", "plan", "config", "rank", "world_size",
         "device", "skeleton", "layout", "communicator", "averager", "refresh", "shared_shards",  # read-only parts
-        "call_ledger", "state_access", "check_not_simulated",  # for code beside the engine (EMA, checkpoints)
+        "call_ledger", "drift_check", "state_access", "check_not_simulated",  # for code beside the engine (EMA, checkpoints)
         "no_sync", "require_backward_grad_sync", "after_step", "full_state_dict", "local_full_state_dict",
         "load_full_state_dict", "full_optimizer_state_dict", "load_full_optimizer_state_dict",
         "verify_consistency", "gradients_finite", "clip_grad_norm_", "full_model", "evaluate", "comm_stats",

@@ -104,3 +104,39 @@ def test_without_a_sample_only_model_state_is_counted(capsys):
     assert fit.predicted["activations"] == 0 and fit.predicted["optimizer_state"] == 0  # plain SGD keeps none
     assert not any(c.activation_checkpointing for c in fit.candidates)  # nothing traced to checkpoint
     assert fit.choice.coverage == 1.0 and fit.sdp_kwargs == {"regime": "forward", "shard_shared": False}
+
+
+def test_every_owner_count_from_k_down_to_1_is_tried_in_order(capsys):
+    """At K = 8 the candidates' plans hold 8, 7, ..., 1 owners per unit (counted in their owner
+    matrices), never fewer before more; a budget that 3 owners fit and 4 do not chooses 3 (it
+    used to jump from C = 0.5 to 1/8); one progress line per owner count goes to stderr."""
+    model, x, _ = gpt_task()
+    everything = sx.plan_for_memory(model, 8, "1TiB", sample_input=x, verbose=True)
+    progress = [line for line in capsys.readouterr().err.splitlines() if line.startswith("plan_for_memory:")]
+    counts = []
+    for c in everything.candidates:
+        owners = set(c.plan.owners.sum(0).tolist())
+        assert len(owners) == 1 and c.coverage == owners.pop() / 8
+        counts.append(round(c.coverage * 8))
+    assert sorted(set(counts), reverse=True) == list(range(8, 0, -1)) and counts == sorted(counts, reverse=True)
+    assert len(progress) == 8 and progress[-1].startswith("plan_for_memory: 8/8") and "1 of 8 owners" in progress[-1]
+    # A budget between the best 3-owner candidate's need and every 4-owner one's.
+    need = lambda c: c.predicted["total"] * (1 + MARGIN)  # noqa: E731
+    three = min(need(c) for c in everything.candidates if round(c.coverage * 8) == 3)
+    four = min(need(c) for c in everything.candidates if round(c.coverage * 8) >= 4)
+    assert three < four
+    fit = sx.plan_for_memory(model, 8, int((three + four) / 2), sample_input=x, verbose=False)
+    assert fit.plan.owners.sum(0).unique().tolist() == [3]
+
+
+@pytest.mark.parametrize("level", ["block", "neuron"])
+def test_a_plan_from_the_model_units_is_the_plan_of_the_model(level):
+    """plan_for_memory reads the model once per level (model_units) and plans every owner count
+    from it: each such plan is plan_subnetworks' plan, in every field of its JSON."""
+    from subnet_ext.planning.plan import model_units, plan_from_units
+
+    model, x, _ = gpt_task()
+    units = model_units(model, level, sample_input=x)
+    for world, coverage, seed in ((8, 0.375, 0), (4, 0.5, 3), (4, 1.0, 1)):
+        expected = sx.plan_subnetworks(model, world, coverage, level, seed, sample_input=x)
+        assert plan_from_units(units, world, coverage, seed).to_json() == expected.to_json()

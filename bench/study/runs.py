@@ -12,8 +12,8 @@ Runs (every run over each seed; C = 0.5: two owners per unit, C = 0.25: one):
 - anchor: the published recipe as published (its cosine schedule to 1e-4 at 2,000 iterations,
   no cooldown branch), in one process (12 sequences) and on K = 4 ranks (3 each): does our
   harness reproduce nanoGPT's 1.88?
-- ddp; ddp-halfbatch (DDP at half the batch per rank: SDP's FLOPs per step, so at equal FLOPs
-  it takes SDP's number of steps); ddp-sd-c0.5 (stochastic depth, every block dropped with
+- ddp; ddp-halfbatch (DDP at half the batch per rank, rounded: 2 of the recipe's 3 sequences,
+  so fewer FLOPs per step and more steps at equal FLOPs); ddp-sd-c0.5 (stochastic depth, every block dropped with
   probability 0.5 on each rank independently);
 - smaller dense models (controls): the size of one SDP subnetwork, trained as DDP:
   dense-half-depth (2 of the 4 blocks: block level at C = 0.5), dense-half-width (2 of 4 heads,

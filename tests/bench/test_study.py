@@ -20,8 +20,8 @@ import sys
 import pytest
 import torch
 
-from bench.study.runs import (MAIN_TASK, MEMORY_TASK, PROFILES, all_configs, anchor_jobs, cooldown_steps, data_path,
-                              result_path)
+from bench.study.runs import (MAIN_TASK, MEMORY_TASK, PROFILES, all_configs, anchor_jobs, batch_size_of, cooldown_steps,
+                              data_path, result_path)
 from shakespeare_file import needs_tiny_shakespeare
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -130,13 +130,17 @@ def test_model_state_bytes_are_the_parameter_counts(study):
 def test_a_subnetwork_computes_what_the_dense_model_of_its_size_computes(study):
     """FLOPs per step: a block-level subnetwork at C = 0.5 runs two of the four blocks, as the 2-block dense
     model does; a neuron-level one runs half of every block's heads and neurons, as the narrower dense model
-    does; half the batch, half the FLOPs; the backward regime's full forward costs more than the forward's."""
+    does; DDP's halved batch (3 sequences per rank rounded to 2) costs 2/3 of the FLOPs; the backward regime's full forward costs more than the forward's."""
     out, _, _ = study
-    flops = {c["name"]: _load(out, MAIN_TASK, 0, c["name"])["step_flops"] for c in _configs(MAIN_TASK) if c["seed"] == 0}
+    configs = {c["name"]: c for c in _configs(MAIN_TASK) if c["seed"] == 0}
+    flops = {name: _load(out, MAIN_TASK, 0, name)["step_flops"] for name in configs}
     assert flops["sdp-block-forward-c0.5"] == flops["dense-half-depth"]
     assert flops["sdp-neuron-forward-c0.5"] == flops["dense-half-width"]
     assert flops["sdp-block-forward-c0.25"] == flops["dense-quarter-depth"]
-    assert flops["ddp-halfbatch"] == flops["ddp"] / 2 and flops["fsdp"] == flops["ddp"]
+    sizes = PROFILE["tasks"][MAIN_TASK]
+    batches = [batch_size_of(configs[name], sizes) for name in ("ddp-halfbatch", "ddp")]
+    assert batches == [2, 3]  # the recipe's 3 sequences per rank, halved and rounded
+    assert flops["ddp-halfbatch"] * batches[1] == flops["ddp"] * batches[0] and flops["fsdp"] == flops["ddp"]
     assert flops["sdp-block-forward-c0.5"] < flops["sdp-block-backward-c0.5"] < flops["ddp"]
 
 

@@ -112,7 +112,7 @@ BAD_ARGS = [
     (["--method", "ddp", "--coverage", "0.25"], "--coverage 0.25: SDP option(s), but --method ddp trains the whole"),
     (["--method", "fsdp", "--level", "neuron", "--no-overlap"], "--level neuron, --no-overlap: SDP option(s), but "
                                                                  "--method fsdp"),
-    (["--coverage", "half"], "argument --coverage: invalid float value: 'half'"),
+    (["--coverage", "half"], "--coverage takes a number in (0, 1] or a comma-separated list of them, got 'half'"),
 ]
 
 

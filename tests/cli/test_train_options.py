@@ -31,7 +31,7 @@ def cosine_lr(base, taken, total, warmup):
 def test_every_flag_runs_and_is_recorded(tmp_path, method, precision):
     report = run_cli(tmp_path / "out", "--method", method, "--nproc", "2", "--precision", precision, *ALL_FLAGS,
                      "--save-dir", str(tmp_path / "ck"))
-    expected = {"lr": 3e-3, "weight_decay": 0.0, "lr_schedule": "cosine", "warmup_steps": 1, "grad_accum": 2,
+    expected = {"lr": 3e-3, "min_lr": 0.0, "beta2": 0.999, "weight_decay": 0.0, "decay": "all", "lr_schedule": "cosine", "warmup_steps": 1, "grad_accum": 2,
                 "grad_clip": 1.0, "precision": precision, "activation_checkpointing": True, "compile": False,
                 "stochastic_depth": 0.0}
     assert report["training"] == expected

@@ -25,6 +25,18 @@ from subnet_ext.planning.pieces import global_pieces
 from subnet_ext.testing import run_distributed
 from subnet_reference import reference_subnetwork
 
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The reference on one thread, as each rank runs: a matmul's summation order follows the thread count
+    (on a 2-core machine with two threads the tied embedding's gradient came out one ulp apart)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 CFG = GPTConfig(block_size=16, vocab_size=32, n_layer=4, n_head=4, n_embd=16, bias=False)
 EVERY, STEPS, SEED, LR, DECAY = 3, 7, 5, 1e-2, 0.9
 

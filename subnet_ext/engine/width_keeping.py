@@ -28,8 +28,7 @@ import torch.nn as nn
 from .. import ops
 from ..planning.pieces import Piece, owned_indices
 from .module_swaps import ModuleSwaps, adopt_tensors
-from .sliced_layers import release
-from .slicing import compact_copy, replace_tensor, split_name
+from .slicing import compact_copy, split_name
 
 
 def keepable(root: nn.Module, prefix: str, group) -> bool:
@@ -81,5 +80,4 @@ def keep_width(root: nn.Module, prefix: str, group, pieces: list[Piece], rank: i
         for name in names:
             dim, owned = owned_indices(pieces, rank, name)
             leaf = split_name(name)[1]
-            replace_tensor(layer, leaf, compact_copy(layer._parameters[leaf], dim, owned))
-            release(module, leaf)
+            swaps.put_tensor(layer, leaf, compact_copy(layer._parameters[leaf], dim, owned))

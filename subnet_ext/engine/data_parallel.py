@@ -57,7 +57,7 @@ from .eval_mode import EvalForward
 from .optimizer_guard import OptimizerGuard
 from .phase import Phase
 from .residual_scale import check_residual_scale, scale_full_state
-from .restore import materialise_meta, meta_skeleton, restore_structure
+from .restore import materialise_meta, meta_skeleton
 from .wrapping import (broadcast_initial_state, check_placement, check_world, refuse_if_simulated, weak_call,
                     world_and_rank)
 from .shared_shards import SharedShards
@@ -118,7 +118,7 @@ class SubnetDataParallel(DDPInterface, EngineParts, nn.Module):
         # What the user trains (the same on every rank): whose optimizer state moves at a change of assignment.
         self._trained_names = frozenset(n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad)
         self._optimizers = []  # weak references to the optimizers that stepped this engine's parameters, in order
-        self._swaps = ModuleSwaps()  # the engine's layers standing in for the user's, undone by close()
+        self._swaps = ModuleSwaps()  # every change made to the user's model, undone by close()
         self._comm = None
         self._shards = None
         self._reassignments = []  # what each change of assignment moved (comm_stats)
@@ -161,7 +161,7 @@ class SubnetDataParallel(DDPInterface, EngineParts, nn.Module):
                                   value_refs=value_refs, sharded=self._shards.names if self._shards else (),
                                   trainable=[p for p in model.parameters() if p.requires_grad])
         self._setup_communication(set(sync_norms.values()))
-        self._hooks += assign_sync_norm_groups(model, sync_norms, self._comm.group_for)
+        assign_sync_norm_groups(model, sync_norms, self._comm.group_for, self._swaps)
         self._install_hooks(model)
         self._eval_forward = EvalForward.for_rank(config.eval_forward, plan, self.rank, config.regime)
 
@@ -190,7 +190,7 @@ class SubnetDataParallel(DDPInterface, EngineParts, nn.Module):
             self._averager.listeners.append(self._leader_buffers.on_backward)
         self._hooks += self._averager.watch(self._layout.trainable)
         self._optimizer_guard.attach({id(p) for p in self._layout.trainable}, self.rank, model)
-        self._hooks += install_state_dict_guard(model, self.plan, self.rank, self._shards is not None)
+        self._hooks += install_state_dict_guard(model, self.plan, self.rank, self._shards is not None, self._swaps)
 
     def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
         if not any(self._layout.is_trainable(p) for g in optimizer.param_groups for p in g["params"]):
@@ -289,13 +289,13 @@ class SubnetDataParallel(DDPInterface, EngineParts, nn.Module):
                                         sum(len(k) for k in keys), values)})
 
     def _teardown(self) -> None:
-        """Undo this assignment's surgery on the model, keeping what this rank holds whole (shared tensors,
-        owned blocks): the user's modules back, tensors it does not hold on the meta device (no memory)."""
+        """Undo this assignment's surgery on the model (the swap record), keeping what this rank holds
+        whole (shared tensors, owned blocks): the user's modules back, tensors it does not hold on the meta
+        device (no memory)."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
         self._swaps.undo()
-        restore_structure(self.module, self._skeleton, self._device, missing="meta")
 
     def state_access(self, what: str) -> tuple[RankLayout, object]:
         """(layout, process group) for a method that reads or writes pieces (the engine's own, the
@@ -484,11 +484,12 @@ class SubnetDataParallel(DDPInterface, EngineParts, nn.Module):
     def close(self) -> None:
         """Give the wrapped model back as it was before wrapping, holding the trained values.
 
-        Collective (assembles the full state first). The user's layers the engine swapped out
-        are put back (the same objects); every module gets back its type
-        (skipped blocks), full-shaped Parameters (not compact ones or owned views), width
-        attributes, hooks and attributes as before; the engine's hooks are removed; then
-        the assembled full state is loaded into the model. The engine refuses further use.
+        Collective (assembles the full state first). The engine's hooks are removed and its swap
+        record undone: the user's module objects are back where they were (skipped blocks and
+        sliced layers included), the root's own tensors and attributes as they were, with no
+        attribute of the engine's left on any of them; the tensors this rank did not hold are
+        given memory again and the assembled full state is loaded into the model. The engine
+        refuses further use.
         """
         self._check_open("close")
         if self._shards is not None:
@@ -501,7 +502,7 @@ class SubnetDataParallel(DDPInterface, EngineParts, nn.Module):
         self._averager.enabled = False
         self._call_ledger.close()
         self._swaps.undo()  # the user's own module objects, holding their own Parameters
-        restore_structure(self.module, self._skeleton, self._device)
+        materialise_meta(self.module, self._device)  # what this rank did not hold, to load into
         self.module.load_state_dict(full)
         self._phase = Phase.CLOSED
 

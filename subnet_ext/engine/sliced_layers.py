@@ -9,18 +9,18 @@ A stand-in is its original's twin (the same attributes, hooks and forward, regis
 own), so it computes what the user's layer computes on the kept units, bit for bit.
 
 The user's module is set aside with its sliced tensors released to the meta device (no
-memory: what this rank does not own is freed); `close()` swaps it back and re-creates its
-tensors with the assembled values (restore.py). Its class, attributes and forward never change.
+memory: what this rank does not own is freed; ModuleSwaps.release); `close()` swaps it back,
+gives those tensors memory again and loads the trained values. Its class, attributes and
+forward never change.
 """
 from __future__ import annotations
 
-import torch
 import torch.nn as nn
 
 from .module_swaps import twin
 
 
-class _Sliced:
+class Sliced:
     """What the engine's compact layers share: `owned`, {tensor name: (dim, global indices of the
     rows or columns it holds, in order)}, filled by slicing.py."""
 
@@ -32,12 +32,12 @@ class _Sliced:
         return f"{super().extra_repr()}, owned=({held})"
 
 
-class SlicedLinear(_Sliced, nn.Linear):
+class SlicedLinear(Sliced, nn.Linear):
     """An nn.Linear holding the owned rows of its weight [kept out, in] (and bias [kept out]), or
     its owned columns [out, kept in]: x [..., in_features] -> [..., out_features], the widths kept."""
 
 
-class SlicedConv2d(_Sliced, nn.Conv2d):
+class SlicedConv2d(Sliced, nn.Conv2d):
     """An nn.Conv2d holding its owned output channels (weight [kept out, in/groups, kh, kw], bias)
     or input channels (weight [out, kept in, kh, kw]): x [B, in_channels, H, W] -> [B, out_channels, H', W']."""
 
@@ -55,13 +55,3 @@ def sliced_stand_in(module: nn.Module) -> nn.Module:
         layer.owned = {}
     return layer
 
-
-def release(module: nn.Module, leaf: str) -> None:
-    """Drop `module`'s tensor `leaf` (a parameter or buffer) for a meta tensor of its shape, dtype
-    and requires_grad: its memory is freed (unless the caller holds it) and close() re-creates it."""
-    if leaf in module._parameters:
-        p = module._parameters[leaf]
-        if not p.is_meta:
-            module._parameters[leaf] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-    elif module._buffers.get(leaf) is not None and not module._buffers[leaf].is_meta:
-        module._buffers[leaf] = torch.empty_like(module._buffers[leaf], device="meta")

@@ -14,13 +14,17 @@ level, any plan whose surgery kept every name and shape) `state_dict()` and
 naming what differs and pointing to `full_state_dict()` / `load_full_state_dict()`.
 Hooks sit on the wrapped model itself, so `sdp.state_dict()` (which recurses into it)
 raises too; the engine removes them in close(). `copy.deepcopy(sdp.module)` (an EMA's copy)
-raises PartialStateError the same way, pointing to ExponentialMovingAverage.
+raises PartialStateError the same way, pointing to ExponentialMovingAverage: the engine's
+modules swapped into the model (module_swaps.py) refuse to be copied, so a copy of any module
+holding one is refused, and nothing is set on the user's modules. A model whose only change
+is its root's own tensors (no module swapped in) copies as it is.
 """
 from __future__ import annotations
 
 import torch.nn as nn
 
 from ..state.tied_exports import with_aliases
+from .module_swaps import ModuleSwaps
 
 
 class PartialStateError(RuntimeError):
@@ -58,11 +62,11 @@ class _Refuse:
         raise PartialStateError(self.message)
 
 
-def install_state_dict_guard(model: nn.Module, plan, rank: int, sharded: bool) -> list:
+def install_state_dict_guard(model: nn.Module, plan, rank: int, sharded: bool, swaps: ModuleSwaps) -> list:
     """Hooks on `model` (after the surgery) refusing its state_dict() and load_state_dict()
     when its entries differ from the original model's (the plan's names and shapes, tied
-    aliases included); returns their handles (none when this rank holds the whole model
-    unchanged)."""
+    aliases included), and a refusal of copy.deepcopy on the engine's modules in it (`swaps`);
+    returns their handles (none when this rank holds the whole model unchanged)."""
     differences = state_differences(model, with_aliases(plan, dict(plan.tensor_shapes)), sharded)
     if not differences:
         return []
@@ -74,21 +78,24 @@ def install_state_dict_guard(model: nn.Module, plan, rank: int, sharded: bool) -
     load = model.register_load_state_dict_pre_hook(_Refuse(
         f"load_state_dict(): {what} Load a full state dict (a checkpoint of the original model) with "
         "sdp.load_full_state_dict(state_dict): every rank takes the pieces it holds."))
-    copy = _InstanceAttribute(model, "__deepcopy__", _Refuse(
+    copy = _RefuseCopies(swaps.replacements(), _Refuse(
         f"copy.deepcopy(): {what} A copy of it (an EMA's, torch.optim.swa_utils.AveragedModel(sdp.module)) would "
         "average or evaluate this subnetwork as if it were the model. For an EMA use "
         "subnet_ext.ExponentialMovingAverage(sdp, decay); for a copy of the model, sdp.full_model() (collective)."))
     return [save, load, copy]
 
 
-class _InstanceAttribute:
-    """Sets `name` on one module instance (copy.deepcopy looks `__deepcopy__` up on the instance);
+class _RefuseCopies:
+    """copy.deepcopy of any of the engine's `modules` (and so of a model holding one) calls `refuse`
+    (copy.deepcopy looks `__deepcopy__` up on the instance: set on the engine's modules only);
     `remove()` takes it away again, as a hook handle does."""
 
-    def __init__(self, module: nn.Module, name: str, value):
-        self.module, self.name = module, name
-        module.__dict__[name] = value
+    def __init__(self, modules: list, refuse):
+        self.modules = modules
+        for m in modules:
+            m.__dict__["__deepcopy__"] = refuse
 
     def remove(self) -> None:
-        """Take the attribute off the module (the engine's close())."""
-        self.module.__dict__.pop(self.name, None)
+        """Let the engine's modules be copied again (the engine's close(), a change of assignment)."""
+        for m in self.modules:
+            m.__dict__.pop("__deepcopy__", None)

@@ -1,19 +1,25 @@
-"""Module surgery: turn the full model into this rank's subnetwork, in place.
+"""Module surgery: turn the full model into this rank's subnetwork, every change recorded.
+
+Each change goes through the swap record (module_swaps.py, undone by `close()`): the engine's
+modules are swapped in for the user's, which are set aside untouched but for the tensors this
+rank does not hold (released to the meta device); only the root module, which no parent holds,
+is changed in place, each change recorded.
 
 Forward regime (`materialise_forward`): sliced layers are swapped for the engine's compact
 stand-ins (sliced_layers.py: only the owned rows/columns, in global order; the user's layers set
-aside with those tensors released), skipped blocks are replaced by their shortcut path, so
-the memory of what is not owned is released.
+aside with those tensors released), skipped blocks for their shortcut path (SkippedBlock; the
+user's block set aside with its tensors released), so the memory of what is not owned is freed.
 
 Backward regime (`prepare_backward`): the full tensors stay (the forward is the full
 model) but stop being parameters; each owned piece becomes a Parameter that is a *view*
 of its full tensor (owned_slices.py), so the optimizer updates the full tensor in place
 and keeps state only for owned pieces. Sliced Linear and Conv2d layers are swapped for
-the engine's OwnedLinear / OwnedConv2d (module_swaps.py; `close()` puts the user's back),
-which compute only the owned weight gradient; other layers (norms, convs with groups)
-route the gradient through a concatenation of detached and owned slices, assembled by a
-pre-hook before each forward (for nn.MultiheadAttention's out_proj, which the attention reads
-without calling it, before the attention's forward).
+the engine's OwnedLinear / OwnedConv2d, which compute only the owned weight gradient; other
+layers (norms, convs with groups) are swapped for their twin, which routes the gradient
+through a concatenation of detached and owned slices, assembled by a pre-hook before each
+forward (for nn.MultiheadAttention's out_proj, which the attention reads without calling it,
+before the attention's forward). At block level the Parameters of blocks this rank does not
+own stop requiring gradients.
 """
 from __future__ import annotations
 
@@ -27,7 +33,7 @@ from ..planning.pieces import Piece
 from ..planning.residual import skip_path
 from ..planning.units import is_basic_block, is_bottleneck
 from .head_check import check_sliced_heads
-from .module_swaps import ModuleSwaps, twin
+from .module_swaps import ModuleSwaps
 from .owned_conv import OwnedConv2d, conv_can_be_owned
 from .owned_linear import OwnedLinear
 from .owned_slices import OwnedLayer, own_slices
@@ -108,20 +114,44 @@ class SkippedBlock(nn.Module):
         return f"skip={self.skip!r}"
 
 
-def stand_in_for_skipped_first_layers(model: nn.Module) -> None:
+def stand_in_for_skipped_first_layers(model: nn.Module, swaps: ModuleSwaps) -> None:
     """nn.TransformerEncoder decides its nested-tensor fast path (eval with a padding mask)
     by reading layers[0]'s attention and norm weights. When a rank skips layer 0, the stub
     answers those reads with the first layer it does run, so the encoder decides exactly as
     the encoder made of this rank's layers would; the stub itself passes the (nested) input
-    through. An encoder whose every layer is skipped takes the slow path."""
-    for encoder in model.modules():
-        if not isinstance(encoder, nn.TransformerEncoder) or not isinstance(encoder.layers[0], SkippedBlock):
+    through. An encoder whose every layer is skipped takes the slow path (its twin, swapped in,
+    has use_nested_tensor False)."""
+    encoders = [(path, m) for path, m in model.named_modules() if isinstance(m, nn.TransformerEncoder)]
+    for path, encoder in encoders:
+        if not isinstance(encoder.layers[0], SkippedBlock):
             continue
         run = [layer for layer in encoder.layers if not isinstance(layer, SkippedBlock)]
         if run:
             encoder.layers[0].__dict__["_fast_path_source"] = (run[0],)
         else:
-            encoder.use_nested_tensor = False
+            swaps.put(swaps.stand_in(model, path), "use_nested_tensor", False)
+
+
+def _skip_blocks(model: nn.Module, plan, rank: int, swaps: ModuleSwaps) -> None:
+    """Swap a SkippedBlock in for each block this rank does not own and release the block's
+    tensors, except those its skip path runs (a shortcut projection) and any tied to a tensor
+    the model still runs."""
+    skipped = []
+    for g, (a, _) in zip(plan.groups, plan.unit_ranges):
+        if not bool(plan.owners[rank, a]):
+            block = model.get_submodule(g.path)
+            stub = SkippedBlock(block, g.skip)
+            swaps.swap(model, g.path, stub)
+            skipped.append((block, stub))
+    running = {id(t) for t in model.parameters()} | {id(t) for t in model.buffers()}
+    for block, stub in skipped:
+        kept = {id(m) for m in stub.modules()}
+        for m in block.modules():
+            if id(m) not in kept:
+                for leaf, t in list(m._parameters.items()) + list(m._buffers.items()):
+                    if t is not None and id(t) not in running:
+                        swaps.release(m, leaf)
+    stand_in_for_skipped_first_layers(model, swaps)
 
 
 class _InverseScale:
@@ -136,18 +166,14 @@ class _InverseScale:
 
 def materialise_forward(model: nn.Module, plan, pieces: list[Piece], rank: int, scale: str,
                         swaps: ModuleSwaps) -> tuple[list, dict]:
-    """Forward regime, in place. Returns (the hook handles it installed (scale="inverse"), the head
-    groups that keep their width on this rank, {module path: why}). Sliced layers and the attentions
-    of sliced head groups are swapped for the engine's (slicing.py, recorded in `swaps`). Head groups
+    """Forward regime, each change recorded in `swaps`. Returns (the hook handles it installed
+    (scale="inverse"), the head groups that keep their width on this rank, {module path: why}).
+    Sliced layers and the attentions of sliced head groups are swapped for the engine's
+    (slicing.py), skipped blocks for SkippedBlocks (`_skip_blocks`). Head groups
     whose module cannot run sliced keep their width (width_keeping.py: their projections are swapped
     too); SubnetDataParallel.summary() lists them."""
     if plan.level == "block":
-        for g, (a, _) in zip(plan.groups, plan.unit_ranges):
-            if not bool(plan.owners[rank, a]):
-                path, leaf = split_name(g.path)
-                parent = model.get_submodule(path)
-                setattr(parent, leaf, SkippedBlock(parent.get_submodule(leaf), g.skip))
-        stand_in_for_skipped_first_layers(model)
+        _skip_blocks(model, plan, rank, swaps)
         return [], {}
     # Before any surgery: a refusal leaves the model as it was. Groups that cannot run sliced keep their width.
     width_kept = check_sliced_heads(model, plan, pieces, rank)
@@ -187,7 +213,7 @@ class _AssembleOwned:
                 pos = start + length
             if pos < full.shape[dim]:
                 parts.append(full.narrow(dim, pos, full.shape[dim] - pos))
-            object.__setattr__(module, attr, torch.cat(parts, dim))
+            module.__dict__[attr] = torch.cat(parts, dim)  # the attribute ModuleSwaps.put made at the surgery
 
 
 class _AssembleChild:
@@ -221,11 +247,12 @@ def _owned_layer(module: nn.Module, owned: dict, path: str, rank: int) -> OwnedL
 
 
 def prepare_backward(model: nn.Module, plan, pieces: list[Piece], rank: int, swaps: ModuleSwaps):
-    """Backward regime, in place. Sliced Linear and Conv2d layers are replaced (`swaps`) by
-    OwnedLinear / OwnedConv2d holding their full tensors and owned views; other sliced layers by
-    their twin (module_swaps.twin: the same class and tensors, registries of its own), on which
-    the sliced tensors move to `{leaf}_full` buffers beside the owned views and a pre-hook
-    assembles the tensor each forward (_AssembleOwned). The user's modules are left untouched.
+    """Backward regime, each change recorded in `swaps`. Sliced Linear and Conv2d layers are
+    replaced by OwnedLinear / OwnedConv2d holding their full tensors and owned views; other sliced
+    layers by their twin (module_swaps.twin: the same class and tensors, registries of its own),
+    on which the sliced tensors move to `{leaf}_full` buffers beside the owned views and a
+    pre-hook assembles the tensor each forward (_AssembleOwned). The user's modules are left
+    untouched (the root's own sliced tensors: changed in place, recorded).
 
     Returns:
         piece_params: {piece: Parameter} for the owned sliced pieces (views of the full tensors).
@@ -238,7 +265,7 @@ def prepare_backward(model: nn.Module, plan, pieces: list[Piece], rank: int, swa
         for g, (a, _) in zip(plan.groups, plan.unit_ranges):
             if not bool(plan.owners[rank, a]):
                 for n in g.params:
-                    model.get_parameter(n).requires_grad_(False)
+                    swaps.set_requires_grad(model.get_parameter(n), False)
         return piece_params, value_refs, handles
     by_module = {}
     for p in pieces:
@@ -254,8 +281,8 @@ def prepare_backward(model: nn.Module, plan, pieces: list[Piece], rank: int, swa
         reader = _reading_parent(model, path)
         layer = _owned_layer(module, owned, path, rank) if reader is None else None
         generic = layer is None
-        if generic:  # the user's module stays as it was; its twin holds the owned views (a root: in place)
-            layer = twin(module) if path else module
+        if generic:  # the user's module stays as it was; its twin holds the owned views (the root: recorded)
+            layer = swaps.stand_in(model, path)
         for leaf, (dim, pieces_of_leaf) in owned.items():
             value_refs[f"{path}.{leaf}" if path else leaf] = (layer, leaf + "_full")
             if not generic:  # the user's module keeps its Parameter; the layer holds a detached alias
@@ -264,9 +291,9 @@ def prepare_backward(model: nn.Module, plan, pieces: list[Piece], rank: int, swa
             full = layer._parameters.pop(leaf)
             runs = own_slices(layer, leaf, full, pieces_of_leaf, piece_params)
             # A plain attribute under the tensor's name, so code reading e.g. norm.weight.shape keeps working.
-            object.__setattr__(layer, leaf, layer.get_buffer(leaf + "_full"))
+            swaps.put(layer, leaf, layer.get_buffer(leaf + "_full"))
             owned[leaf] = (dim, runs)
-        if layer is not module:
+        if not generic:
             swaps.swap(model, path, layer)
         if generic and reader is None:
             handles.append(layer.register_forward_pre_hook(_AssembleOwned(owned)))

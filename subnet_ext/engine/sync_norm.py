@@ -14,7 +14,8 @@ Here each SyncBatchNorm gets the process group of the ranks that run it:
   by name before the model changes.
 
 The backward regime runs the full forward on every rank, so its SyncBatchNorms keep their
-own groups. `close()` gives every module its previous group back.
+own groups. The group is set on the engine's twin of each SyncBatchNorm (module_swaps.py), so
+the user's module keeps its own and `close()` puts it back.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from typing import Callable
 import torch.nn as nn
 
 from ..planning.pieces import Piece
+from .module_swaps import ModuleSwaps
 
 
 def sync_norm_owners(model: nn.Module, plan, pieces: list[Piece]) -> dict[str, tuple]:
@@ -48,23 +50,11 @@ def sync_norm_owners(model: nn.Module, plan, pieces: list[Piece]) -> dict[str, t
     return out
 
 
-class _RestoreGroup:
-    """Handle giving a SyncBatchNorm its previous process_group back (the engine's close())."""
-
-    def __init__(self, module: nn.SyncBatchNorm):
-        self.module, self.previous = module, module.process_group
-
-    def remove(self) -> None:
-        """Put the previous process group back."""
-        self.module.process_group = self.previous
-
-
-def assign_sync_norm_groups(model: nn.Module, owners: dict[str, tuple], group_of: Callable) -> list:
+def assign_sync_norm_groups(model: nn.Module, owners: dict[str, tuple], group_of: Callable,
+                            swaps: ModuleSwaps) -> None:
     """Give each SyncBatchNorm this rank runs (still in `model` after the surgery; a skipped block's
-    are gone) the process group of its owners, group_of(owners); returns restore handles."""
-    handles = []
-    for path, module in model.named_modules():
-        if isinstance(module, nn.SyncBatchNorm) and path in owners:
-            handles.append(_RestoreGroup(module))
-            module.process_group = group_of(owners[path])
-    return handles
+    are gone) the process group of its owners, group_of(owners), on the engine's stand-in for it
+    (its twin, swapped in and recorded by `swaps`: the user's module keeps its own group)."""
+    paths = [path for path, m in model.named_modules() if isinstance(m, nn.SyncBatchNorm) and path in owners]
+    for path in paths:
+        swaps.put(swaps.stand_in(model, path), "process_group", group_of(owners[path]))

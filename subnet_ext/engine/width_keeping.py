@@ -32,8 +32,7 @@ import torch.nn as nn
 from .. import ops
 from ..planning.pieces import Piece, owned_indices
 from .module_swaps import ModuleSwaps, adopt_tensors
-from .sliced_layers import release
-from .slicing import compact_copy, replace_tensor, split_name
+from .slicing import compact_copy, split_name
 from .width_kept_runs import WidthKeptRuns, index_runs, runs_worth_it
 
 
@@ -92,5 +91,4 @@ def keep_width(root: nn.Module, prefix: str, group, pieces: list[Piece], rank: i
         for name in names:
             dim, owned = owned_indices(pieces, rank, name)
             leaf = split_name(name)[1]
-            replace_tensor(layer, leaf, compact_copy(layer._parameters[leaf], dim, owned))
-            release(module, leaf)
+            swaps.put_tensor(layer, leaf, compact_copy(layer._parameters[leaf], dim, owned))

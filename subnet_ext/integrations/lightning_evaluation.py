@@ -3,18 +3,22 @@
 The steps are the user's methods on the LightningModule itself (`self.log`, lists of
 outputs, metrics held as attributes must stay those of the object the Trainer knows), so
 the evaluated model is put *inside* that object for the duration of each step and taken
-out after it:
+out after it, by the engine's swap record (engine/module_swaps.py: every change recorded,
+all undone after the step):
 
 - "full": the top-level children that hold the model's state (the ones whose names the
-  plan lists, not torchmetrics objects or other state-less children) and any of the root's
-  own tensors are those of the full model (the union of the subnetworks), assembled once
-  per evaluation run with the engine's collective `full_model()`;
-- "ensemble": as "full", and the module's own forward (`self(...)`) returns the mean of the
-  K subnetworks' outputs (integrations/subnetwork_ensemble.py). Submodules called directly
-  (`self.net(x)`) run the full model.
+  plan lists, not torchmetrics objects or other state-less children) are swapped for those
+  of the full model (the union of the subnetworks), assembled once per evaluation run with
+  the engine's collective `full_model()`, and any of the root's own tensors replaced by the
+  full model's;
+- "ensemble": as "full", and the module's own call (`self(...)`) returns the mean of the
+  K subnetworks' outputs (integrations/subnetwork_ensemble.py): a forward hook on the
+  module replaces its output (the module's own forward still runs, on the full model, and
+  its output is discarded). Submodules called directly (`self.net(x)`) run the full model.
 
-Outside `fit` the module is the plain model (never wrapped, or given back when fitting
-ended), so "full" needs nothing and "ensemble" builds the subnetworks from it.
+Nothing is set on the LightningModule: no instance `forward`, its children and tensors back
+after each step. Outside `fit` the module is the plain model (never wrapped, or given back when
+fitting ended), so "full" needs nothing and "ensemble" builds the subnetworks from it.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import torch.nn as nn
 
 from ..engine.config import SDPConfig
 from ..engine.data_parallel import SubnetDataParallel
+from ..engine.module_swaps import ModuleSwaps
 from ..planning.plan import SubnetPlan
 from .subnetwork_ensemble import SubnetworkEnsemble
 
@@ -53,25 +58,27 @@ class EvaluatedModel:
     def inside(self):
         """Within: `module` runs the evaluated model (see the module docstring); after: as before."""
         module, training = self.module, self.module.training
-        saved_children = {n: module._modules[n] for n in self.children} if self.full is not None else {}
-        saved_own = [(store, n, store[n]) for n in self.own for store in (module._parameters, module._buffers)
-                     if n in store] if self.full is not None else []
-        saved_forward = module.__dict__.get("forward")
+        swaps, handle = ModuleSwaps(), None
         try:
-            for name in saved_children:
-                module._modules[name] = self.full._modules[name].train(training)
-            for store, name, _ in saved_own:
-                store[name] = getattr(self.full, name)
+            if self.full is not None:
+                for name in self.children:
+                    swaps.swap(module, name, self.full.get_submodule(name).train(training))
+                for name in self.own:  # the root's own tensors: replaced in place, recorded
+                    swaps.put_tensor(module, name, getattr(self.full, name), release=False)
             if self.ensemble is not None:
-                ensemble = self.ensemble.train(training)
-                module.__dict__["forward"] = lambda *args, **kwargs: ensemble(*args, **kwargs)
+                handle = module.register_forward_hook(_Output(self.ensemble.train(training)), with_kwargs=True)
             yield
         finally:
-            module._modules.update(saved_children)
-            for store, name, value in saved_own:
-                store[name] = value
-            if self.ensemble is not None:
-                if saved_forward is None:
-                    module.__dict__.pop("forward", None)
-                else:
-                    module.__dict__["forward"] = saved_forward
+            if handle is not None:
+                handle.remove()
+            swaps.undo()
+
+
+class _Output:
+    """A forward hook whose output replaces the module's: `model(*args, **kwargs)` on the same inputs."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, module, args, kwargs, output):
+        return self.model(*args, **kwargs)

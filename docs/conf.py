@@ -25,7 +25,7 @@ source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
 root_doc = "index"
 # Generated reports shown through wrapper pages under results/ (which add a title and
 # fix their relative links), so not documents of their own.
-exclude_patterns = ["_build", "demo-cpu.md", "study-cpu.md", "study-cpu-quick.md"]
+exclude_patterns = ["_build", "demo-cpu.md", "study-cpu.md", "study-cpu-quick.md", "study-schedules.md"]
 
 # Docstrings write `name` for code, as Markdown does.
 default_role = "literal"

@@ -79,7 +79,7 @@ def _default_doc(name: str, device: str, out: str) -> str:
 def _doc_blocks(doc: str, requested: bool) -> dict:
     """{Markdown file: how it links to the report} whose generated blocks this report rewrites: README.md
     and docs/results.md, for the full CPU study (docs/study-cpu.md) or when requested."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/study/ -> repo
     is_main = os.path.abspath(doc) == os.path.join(root, "docs", "study-cpu.md")
     if not (requested or is_main):
         return {}

@@ -11,7 +11,7 @@ issues what is left, waits for each bucket in order and unpacks it in place time
 scale (1/owner-count). With overlap off every bucket is issued by that callback: the same
 buffers and the same sums, only later, so both paths give bit-identical results. One
 backward's state (which buckets still wait for gradients, which were issued) is one
-`_Pass` object, alive from the first gradient to the callback.
+`_AveragingPass` object, alive from the first gradient to the callback.
 
 Each bucket has one persistent buffer (like DDP's) in the dtype of its pieces, reused for
 gradients and, with sync_every > 1, for parameters. Where each piece lives is handed over
@@ -125,7 +125,7 @@ class _BucketState:
             torch._foreach_mul_(*self._scaled[averaged])
 
 
-class _Pass:
+class _AveragingPass:
     """One synchronisation: the averaging of one backward's gradients, or of the parameters.
 
     states: the buckets it averages (those of the quantity's period), in the one global order;
@@ -170,7 +170,7 @@ class BucketedAverager:
         self.reduction = reduction if reduction is not None else AllReduce(Quantity.GRADIENTS)
         self._parameter_reduction = AllReduce(Quantity.PARAMETERS)
         self.places = dict(places)
-        self._backward = None  # the _Pass of the backward in progress (its end-of-backward callback is queued)
+        self._backward = None  # the _AveragingPass of the backward in progress (its end-of-backward callback is queued)
         self._pieces_of_param = {}  # id(trainable parameter) -> the held pieces its gradient carries
         for place in self.places.values():
             if place.trainable:
@@ -307,7 +307,7 @@ class BucketedAverager:
     def on_grad_ready(self, pieces=(), param=None) -> None:
         """These held pieces' gradients, or those `param`'s carries (its post-accumulate-grad
         hook's report), are final for this backward: count them, and issue in order every
-        bucket that is complete. The first report of a backward starts its _Pass and queues
+        bucket that is complete. The first report of a backward starts its _AveragingPass and queues
         the end-of-backward callback on the autograd engine."""
         if not self.enabled:
             return  # inside no_sync(): accumulate only
@@ -319,7 +319,7 @@ class BucketedAverager:
             return  # local SGD: parameters are averaged after optimizer steps instead
         run = self._backward
         if run is None:
-            run = self._backward = _Pass(Quantity.GRADIENTS, self.gradient_states)
+            run = self._backward = _AveragingPass(Quantity.GRADIENTS, self.gradient_states)
             Variable._execution_engine.queue_callback(self._after_backward)
         for p in pieces:
             for i in self.buckets_of_piece.get(p, ()):
@@ -349,9 +349,9 @@ class BucketedAverager:
         else:
             states = [s for s in self.states if s.bucket.period > 1 and step % s.bucket.period == 0]
         with torch.no_grad():
-            self._finish(_Pass(quantity, states))
+            self._finish(_AveragingPass(quantity, states))
 
-    def _issue(self, run: _Pass) -> None:
+    def _issue(self, run: _AveragingPass) -> None:
         """Pack the next bucket of `run` into its buffer and start its reduction."""
         s = run.states[run.next]
         run.next += 1
@@ -368,7 +368,7 @@ class BucketedAverager:
                               buffer)
         run.issued.append((s, reduction, reduction.start(s.comm_bucket)))
 
-    def _finish(self, run: _Pass) -> None:
+    def _finish(self, run: _AveragingPass) -> None:
         """Issue what is left of `run` (in order), wait for each bucket in turn and unpack it
         into the pieces' tensors times their scales."""
         while run.next < len(run.states):

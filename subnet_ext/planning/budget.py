@@ -1,5 +1,8 @@
-"""Fit a memory budget: the configuration the study found best in loss among those whose
-predicted per-rank peak (planning/memory_model.py) fits.
+"""Fit a memory budget: the configuration with the most owners per unit whose predicted
+per-rank peak (planning/memory_model.py) fits. The order is one of memory, not a promise of
+quality: on nanoGPT's Tiny Shakespeare no SDP setting measured so far matched DDP at equal
+tokens (docs/study-schedules.md), and a smaller dense model of the same memory per rank may
+train better than any subnetwork; which quality a configuration gives is the user's to measure.
 
     fit = sx.plan_for_memory(model, world_size=4, budget="8GiB", sample_input=x, optimizer="adamw")
     if fit.activation_checkpointing:
@@ -28,16 +31,19 @@ from .coverage import owners_per_unit
 from .plan import SubnetPlan, model_units, plan_from_units
 from .sizes import format_size, parse_size
 
-# (level, regime, coverage) from most to least preferred. Where the order comes from: the CPU
-# study (docs/study-cpu.md, docs/study-cpu/summary.json; K = 4, text task). C = 1 first: it
-# computes DDP's updates (every unit trained on every rank's data), the study's baseline and its
-# best at equal tokens (2.767 nats/char against 2.770 for the best SDP run). Then the C = 0.5
-# variants by their loss at equal FLOPs, the protocol of the study's recommendation
-# (`recommended`: neuron level, forward regime, 2.596; block level forward 2.652; block level
-# backward 2.730); then one owner per unit (C = 1/K; block level forward at C = 0.25: 2.988).
-# tests/planning/test_memory_budget.py checks this order against summary.json.
+# (level, regime, coverage) from most to least preferred, i.e. from most to fewest owners per unit:
+# C = 1 first (DDP's updates, every unit trained on every rank's data), one owner per unit (C = 1/K)
+# last, so a budget gets the least partitioning that fits it. At C = 0.5 the neuron level's forward
+# regime comes before the block level's: on Tiny Shakespeare its static full model is the better of
+# the two (docs/study-schedules.md; the block level's full model stacks blocks no rank trained
+# together); the backward regime, which holds the full model's activations, after them.
+# tests/planning/test_memory_budget.py checks the order against docs/study-schedules/summary.json.
 PREFERENCE = (("block", "forward", 1.0), ("neuron", "forward", 0.5), ("block", "forward", 0.5),
               ("block", "backward", 0.5), ("block", "forward", "1/K"))
+# Printed beside a choice that partitions the model: the planner orders by memory, not by loss.
+QUALITY_NOTE = ("note: this is the configuration with the most owners per unit that fits, not a promise of "
+                "quality; on Tiny Shakespeare no SDP setting measured so far matched DDP at equal tokens "
+                "(docs/study-schedules.md): compare it with a smaller dense model of the same memory per rank")
 # A candidate fits when its predicted peak plus this fraction of it is within the budget: the
 # memory model is checked within 10% of measured peaks (tests/planning/test_memory_model.py).
 MARGIN = 0.10
@@ -211,5 +217,7 @@ def plan_for_memory(model: nn.Module, world_size: int, budget, sample_input=None
     if verbose:
         print(f"chosen: {chosen.name}, predicted peak {format_size(chosen.predicted['total'])} per rank "
               f"(budget {format_size(budget)})")
+        if chosen.plan.owners.sum(0).min() < world_size:
+            print(QUALITY_NOTE)
     return MemoryFit(chosen.plan, {"regime": chosen.regime, "shard_shared": chosen.shard_shared},
                      chosen.activation_checkpointing, chosen.predicted, budget, candidates, chosen)

@@ -189,7 +189,7 @@ def co_training_lines(plan, schedule=None, steps: int = 10_000) -> list[str]:
     if never:
         lines.append(f"warning: {len(never)} of {len(pairs)} pairs of neighbouring blocks are never trained together "
                      f"by any rank ({', '.join(f'{a} + {b}' for a, b in never[:3])}): the full model stacks blocks that "
-                     "never learned to work beside each other (docs/study-cpu.md measures what that costs on Tiny "
+                     "never learned to work beside each other (docs/study-schedules.md measures what that costs on Tiny "
                      "Shakespeare). Move ownership during training (SubnetDataParallel(..., assignment='redraw', "
                      "reassign_every=N)) or plan block_assignment='contiguous'.")
     return lines

@@ -4,7 +4,7 @@ For three models (the study's residual MLP and GPT, the bundled LLaMA), a budget
 between two candidates' predictions; the chosen configuration is built and one rank's real
 training step metered (tests/memory_steps.py): its measured peak must fit the budget and be
 within 10% of the prediction. Also: the nothing-fits error, size parsing, the CLI flag, and
-that PREFERENCE follows the committed study's losses.
+that PREFERENCE follows the committed schedules sweep's losses.
 """
 import json
 import os
@@ -16,7 +16,7 @@ import subnet_ext as sx
 from memory_steps import MIB, gpt_task, measure_rank_step, mlp_task
 from subnet_ext.cli.plan import main as subnet_plan
 from subnet_ext.models import build_model
-from subnet_ext.planning.budget import MARGIN, PREFERENCE
+from subnet_ext.planning.budget import MARGIN, PREFERENCE, QUALITY_NOTE
 from subnet_ext.planning.sizes import parse_size
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -86,15 +86,32 @@ def test_cli_memory_budget(capsys):
 
 
 def test_preference_follows_the_study():
-    """C = 1 (DDP's updates, the study's baseline) first; the C = 0.5 variants in order of their
-    loss at equal FLOPs on the text task; one owner per unit last."""
-    with open(os.path.join(REPO, "docs", "study-cpu", "summary.json")) as f:
-        runs = json.load(f)["tasks"]["pysrc"]["analysis"]["runs"]
-    half = [(level, regime) for level, regime, c in PREFERENCE if c == 0.5]
-    losses = [runs[f"sdp-{level}-{regime}-c0.5"]["protocols"]["flops"]["loss"] for level, regime in half]
-    assert losses == sorted(losses)
+    """From most to fewest owners per unit (C = 1 first, one owner last); at C = 0.5 the forward
+    regime's neuron level before its block level, as their static full models rank at equal tokens
+    in the committed schedules sweep on Tiny Shakespeare (docs/study-schedules/summary.json)."""
+    with open(os.path.join(REPO, "docs", "study-schedules", "summary.json")) as f:
+        per_seed = json.load(f)["tasks"]["shakespeare"]["per_seed"]
+
+    def loss(name):
+        values = [v for v in per_seed[f"K4/{name}"]["tokens"]["full"].values() if v is not None]
+        assert values, name
+        return sum(values) / len(values)
+
+    forward_half = [level for level, regime, c in PREFERENCE if c == 0.5 and regime == "forward"]
+    assert forward_half == sorted(forward_half, key=lambda level: loss(f"sdp-{level}-forward-c0.5"))
     assert PREFERENCE[0][2] == 1.0 and PREFERENCE[-1][2] == "1/K"
-    assert max(losses) < runs["sdp-block-forward-c0.25"]["protocols"]["flops"]["loss"]
+    assert [c for _, _, c in PREFERENCE] == [1.0] + [0.5] * (len(PREFERENCE) - 2) + ["1/K"]
+
+
+def test_a_partitioning_choice_says_quality_is_the_users(capsys):
+    """plan_for_memory orders by memory: a choice below C = 1 prints the note that it promises no quality."""
+    model, _, _ = mlp_task()
+    sx.plan_for_memory(model, 4, "1GiB", optimizer=torch.optim.SGD)
+    assert QUALITY_NOTE not in capsys.readouterr().out  # C = 1 fits: DDP's updates, nothing to say
+    tried = sx.plan_for_memory(model, 4, "1GiB", optimizer=torch.optim.SGD, verbose=False).candidates
+    smallest_at_c1 = min(c.predicted["total"] for c in tried if c.plan.owners.sum(0).min() == 4)
+    fit = sx.plan_for_memory(model, 4, int(smallest_at_c1 * (1 + MARGIN)) - 1, optimizer=torch.optim.SGD)
+    assert fit.plan.owners.sum(0).min() < 4 and QUALITY_NOTE in capsys.readouterr().out
 
 
 def test_without_a_sample_only_model_state_is_counted(capsys):

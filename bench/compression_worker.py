@@ -27,7 +27,7 @@ from subnet_ext.cli.plan import sample_input_for
 from subnet_ext.cli.tasks import build_task
 from subnet_ext.cli.training import OptimizerStep, make_optimizer
 from subnet_ext.comm.hooks import LowRankState, low_rank_hook
-from subnet_ext.engine.guard import NonFiniteGuard
+from subnet_ext.engine.guards.nonfinite_guard import NonFiniteGuard
 
 # name -> (reduce_dtype, low-rank matrix rank or None)
 REDUCTIONS = {"fp32": (None, None), "bf16": ("bfloat16", None), "low-rank r=1": (None, 1), "low-rank r=4": (None, 4)}

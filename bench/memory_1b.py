@@ -24,8 +24,8 @@ creates the optimizer state), then `--steps` timed steps (median), then one step
 StepMemoryMeter (model state / activations / transient at its peak). Peak memory: on a GPU
 `torch.cuda.max_memory_allocated` over the timed steps (the allocator's peak: model state,
 activations, workspaces, rounding); on the CPU the meter's peak of live tensor storage.
-Beside it the memory model's prediction for the same configuration (planning/memory_model.py
-for SDP, planning/replicated_memory.py for DDP and FSDP2; activations traced under the same
+Beside it the memory model's prediction for the same configuration (planning/costs/memory_model.py
+for SDP, planning/costs/replicated_memory.py for DDP and FSDP2; activations traced under the same
 autocast), and whether it lies within 10% of the measured peak.
 
 docs/results.md shows the committed GPU table (bench/results/h200/memory-1b.md) beside the
@@ -57,7 +57,7 @@ from subnet_ext.vocabulary import LEVELS
 
 import provenance
 
-WITHIN = 0.10  # the memory model's tested accuracy (planning/budget.py MARGIN)
+WITHIN = 0.10  # the memory model's tested accuracy (planning/costs/budget.py MARGIN)
 PAPER = ("the paper's 1B LLaMA: -28% peak memory per device at coverage 0.5 (v5 abstract: 28-60% "
          "under FLOP-matched settings)")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -134,7 +134,7 @@ class Setup:
     def plan(self, level: str, coverage: float):
         """(plan, activation trace) at K = --world-size, made once per (level, coverage)."""
         import subnet_ext as sx
-        from subnet_ext.planning.activation_trace import trace_activations
+        from subnet_ext.planning.costs.activation_trace import trace_activations
 
         key = (level, coverage)
         if key not in self._plans:
@@ -146,8 +146,8 @@ class Setup:
 
     def predict(self, row: Row) -> dict:
         """The memory model's predicted peak of `row` (predict_step_memory's dict)."""
-        from subnet_ext.planning.memory_model import predict_step_memory
-        from subnet_ext.planning.replicated_memory import predict_ddp_step_memory, predict_fsdp_step_memory
+        from subnet_ext.planning.costs.memory_model import predict_step_memory
+        from subnet_ext.planning.costs.replicated_memory import predict_ddp_step_memory, predict_fsdp_step_memory
 
         kernel = self.opts.optimizer_kernel
         if row.method == "sdp":
@@ -262,8 +262,8 @@ def table(setup: Setup, results: dict, argv: list[str], started: float, skipped:
              f"llama {opts.size}: {params / 1e6:,.1f} M parameters (fp32), forward and loss under autocast "
              f"{opts.dtype}, AdamW ({opts.optimizer_kernel}), batch {opts.batch_size} x {opts.seq_len} tokens per "
              f"rank, rank {opts.rank} of {opts.world_size}; {opts.warmup} warm-up + {opts.steps} timed steps "
-             f"(median). Peak: {peak_name}. Predicted: the memory model (planning/memory_model.py, "
-             "planning/replicated_memory.py). DDP and FSDP2 over torch's fake process group, SDP as a simulated "
+             f"(median). Peak: {peak_name}. Predicted: the memory model (planning/costs/memory_model.py, "
+             "planning/costs/replicated_memory.py). DDP and FSDP2 over torch's fake process group, SDP as a simulated "
              "rank: no collective runs, so step times are one rank's compute.", "",
              f"| configuration | peak {unit} | predicted {unit} | predicted / measured | predicted peak at | "
              f"peak vs DDP | step ms | step vs DDP | meter: state / activations / transient {unit} |",

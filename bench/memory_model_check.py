@@ -6,7 +6,7 @@
 For every SDP, DDP, DDP + checkpointing and smaller dense run of the committed study's summary
 (docs/study-cpu/summary.json, or the quick profile's docs/study-cpu-quick/summary.json while the
 full study is not committed),
-the worst rank's predicted peak of one step (subnet_ext/planning/memory_model.py, traced at the
+the worst rank's predicted peak of one step (subnet_ext/planning/costs/memory_model.py, traced at the
 study's batch per rank) beside the study's measured peak (StepMemoryMeter, the worst rank's third
 step). DDP (and a smaller dense model) is predicted as SDP at C = 1 (the same updates; torch DDP's
 buckets differ in detail); an SDP run whose ownership moves, as its static assignment (the same
@@ -53,8 +53,8 @@ def rows(summary: dict) -> list[tuple]:
     """[(task, run, predicted MiB, measured MiB)] for the runs the memory model covers."""
     import subnet_ext as sx
     from bench.study.runs import PROFILES
-    from subnet_ext.planning.activation_trace import trace_activations
-    from subnet_ext.planning.memory_model import worst_rank_memory
+    from subnet_ext.planning.costs.activation_trace import trace_activations
+    from subnet_ext.planning.costs.memory_model import worst_rank_memory
 
     out = []
     for task, result in summary["tasks"].items():

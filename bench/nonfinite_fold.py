@@ -44,7 +44,7 @@ def _worker(rank, world, port, opts, queue):
     from subnet_ext.cli.methods import SDPMethod
     from subnet_ext.cli.training import OptimizerStep, make_optimizer
     from subnet_ext.data.tokens import SyntheticTokens
-    from subnet_ext.engine.guard import NonFiniteGuard
+    from subnet_ext.engine.guards.nonfinite_guard import NonFiniteGuard
     from subnet_ext.models.llama import LLAMA_PRESETS, LlamaForCausalLM
 
     os.environ["OMP_NUM_THREADS"] = "1"

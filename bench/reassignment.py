@@ -1,4 +1,4 @@
-"""What a change of assignment costs (planning/schedule.py, engine/reassignment.py): the bytes that change
+"""What a change of assignment costs (planning/assignment/schedule.py, engine/reassignment.py): the bytes that change
 hands and the step time with and without changes, on the study's Tiny Shakespeare GPT at K = 4.
 
     python bench/reassignment.py                         # bench/results/reassignment-cpu.md

@@ -18,13 +18,13 @@ from .comm.call_check import CallOrderError
 from .state.consistency import ConsistencyError
 from .engine import SDPConfig, SubnetDataParallel
 from .engine.ema import ExponentialMovingAverage
-from .engine.grad_scaler import GradScaler
-from .engine.guard import NonFiniteGuard, TooManySkippedSteps
-from .engine.optimizer_guard import StaleOptimizerError
-from .engine.state_dict_guard import PartialStateError
+from .engine.guards.grad_scaler import GradScaler
+from .engine.guards.nonfinite_guard import NonFiniteGuard, TooManySkippedSteps
+from .engine.guards.optimizer_guard import StaleOptimizerError
+from .engine.guards.state_dict_guard import PartialStateError
 from .planning.plan import SubnetPlan, Unit, plan_subnetworks
-from .planning.schedule import OwnershipSchedule
-from .planning.budget import MemoryFit, NoConfigurationFits, plan_for_memory
+from .planning.assignment.schedule import OwnershipSchedule
+from .planning.costs.budget import MemoryFit, NoConfigurationFits, plan_for_memory
 
 __version__ = "0.1.0"
 

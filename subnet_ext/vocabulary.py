@@ -9,8 +9,8 @@ test checks that no other module spells them out as a literal tuple).
   level plan "neuron", "head" and "channel" groups).
 - REGIMES: what a rank runs ("forward": its subnetwork only; "backward": the full model
   forward, gradients of its own units only).
-- ASSIGNMENTS: how ownership moves in time (planning/schedule.py); BLOCK_ASSIGNMENTS: how
-  blocks are dealt to ranks (planning/assign.py).
+- ASSIGNMENTS: how ownership moves in time (planning/assignment/schedule.py); BLOCK_ASSIGNMENTS: how
+  blocks are dealt to ranks (planning/assignment/assign.py).
 - Quantity: what a collective carries, as the communication counter files it.
 - dtype_of / dtype_size: a dtype from its name ("float32", "torch.bfloat16") and its size in
   bytes, one function where six modules used to build a tensor to ask.

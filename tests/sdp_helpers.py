@@ -35,7 +35,7 @@ def train(sdp, opt, rank, steps, start=0):
 def counting_direct_writes():
     """Counts DirectGradient.write calls (the backward regime's masked-kernel writes into a
     bucket) inside the block; yields a one-element list holding the count."""
-    from subnet_ext.engine import owned_linear
+    from subnet_ext.engine.layers import owned_linear
 
     count, original = [0], owned_linear.DirectGradient.write
 

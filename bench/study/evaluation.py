@@ -6,7 +6,7 @@
   (the paper's rule, "full") and without ("full_unscaled").
 - SDP: the assembled union ("full"); the union with each block's residual branches scaled
   by its owner fraction c_u/K ("full_scaled", block level: stochastic depth's rule, placed in
-  the weights by engine/residual_scale.py); each rank's subnetwork cut from the assembled
+  the weights by engine/regimes/residual_scale.py); each rank's subnetwork cut from the assembled
   state ("subnetworks", one loss per rank; in the forward regime what the rank trained, in
   the backward regime the full model with the blocks or neurons the rank does not own
   removed); and their ensemble ("ensemble": the mean of the subnetworks' logits).
@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from subnet_ext.cli.methods import eval_mode
 from subnet_ext.cli.tasks import logits_of
-from subnet_ext.engine.residual_scale import scale_full_state
+from subnet_ext.engine.regimes.residual_scale import scale_full_state
 
 
 def _all_sum(values: list[float], device) -> list[float]:
@@ -58,8 +58,8 @@ def sharded_metrics(model, task, batches: list, device, pad: bool = False) -> tu
 
 def subnetwork_of(full: torch.nn.Module, plan, rank: int) -> torch.nn.Module:
     """Rank `rank`'s subnetwork of the plan, cut from a copy of the full model (forward-regime surgery)."""
-    from subnet_ext.engine.module_swaps import ModuleSwaps
-    from subnet_ext.engine.surgery import materialise_forward
+    from subnet_ext.engine.regimes.module_swaps import ModuleSwaps
+    from subnet_ext.engine.regimes.surgery import materialise_forward
     from subnet_ext.planning.pieces import global_pieces
 
     sub = copy.deepcopy(full)  # a copy: its swaps (width-kept projections) are never undone
@@ -107,7 +107,7 @@ def evaluate_method(kind: str, method, task, batches: list, device, stochastic=N
     out = {"full": sharded_metrics(full, task, batches, device)}
     if not every_model:
         return _as_metrics(out)
-    if plan.level == "block":  # stochastic depth's rule in the weights (engine/residual_scale.py), on a copy
+    if plan.level == "block":  # stochastic depth's rule in the weights (engine/regimes/residual_scale.py), on a copy
         scaled = copy.deepcopy(full)
         scaled.load_state_dict(scale_full_state(full.state_dict(), plan, full, "owner_fraction"))
         out["full_scaled"] = sharded_metrics(scaled, task, batches, device)

@@ -237,7 +237,7 @@ def cost_table(res: Results, task: str, k: int) -> str:
 
 def assignment_table(res: Results, task: str, k: int) -> str:
     """Which blocks each rank trains in every block-level SDP run, and what that covers together."""
-    from subnet_ext.planning.assign import block_pairs_covered
+    from subnet_ext.planning.assignment.assign import block_pairs_covered
     import torch
 
     lines = ["| run | blocks of rank 0 / 1 / 2 / 3 | adjacent pairs trained together | pairs trained together |",

@@ -75,7 +75,7 @@ MAX_EXTENSION = 10  # no mark beyond 10 x `steps` (flagged "capped")
 # would call "the same quality". Used only where a family's seeds can support it (stats.py).
 EQUIVALENCE_MARGIN = 0.05
 COVERAGES = (0.5, 0.25)
-# Ownership that moves (planning/schedule.py), block and neuron level, forward regime, C = 0.5, the "schedules"
+# Ownership that moves (planning/assignment/schedule.py), block and neuron level, forward regime, C = 0.5, the "schedules"
 # profile's sweep: (level, assignment, reassign_every, block_assignment). Neuron-level redraw every step
 # is left out: a redraw scatters a group's units into hundreds of pieces, and rebuilding that every step costs
 # more than the step (bench/results/reassignment-cpu.md measures a change's cost).

@@ -25,7 +25,7 @@ from subnet_ext.cli.arguments import training_args
 from subnet_ext.cli.loop import make_method
 from subnet_ext.cli.stochastic_depth import StochasticDepth
 from subnet_ext.cli.training import OptimizerStep, apply_activation_checkpointing, make_optimizer
-from subnet_ext.engine.guard import NonFiniteGuard
+from subnet_ext.engine.guards.nonfinite_guard import NonFiniteGuard
 from subnet_ext.engine.memory_meter import StepMemoryMeter
 
 TRAIN_LOSSES = 8  # the training loss of this many first steps of the stable trajectory is recorded

@@ -28,7 +28,7 @@ def clean_stop_types() -> tuple:
     from ..state.checkpoint_store import CheckpointError
     from ..comm.collectives import CollectiveError
     from ..state.consistency import ConsistencyError
-    from ..engine.guard import TooManySkippedSteps
+    from ..engine.guards.nonfinite_guard import TooManySkippedSteps
 
     return TooManySkippedSteps, ConsistencyError, CollectiveError, CheckpointError
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..planning.buckets import DEFAULT_BUCKET_CAP_MB
-from ..engine.guard import NonFiniteGuard
+from ..engine.guards.nonfinite_guard import NonFiniteGuard
 from .launch import init_distributed, pick_backend
 from . import run_checkpoints
 from .faults import Faults
@@ -294,7 +294,7 @@ def _report(args, task, method, per_rank, comm, final, history, world):
 def _label(args):
     if args.method != "sdp":
         return args.method
-    from ..planning.coverage import is_per_rank
+    from ..planning.assignment.coverage import is_per_rank
 
     coverage = "-".join(f"{c:g}" for c in args.coverage) if is_per_rank(args.coverage) else f"{args.coverage:g}"
     moving = getattr(args, "assignment", "static")

@@ -19,14 +19,14 @@ import sys
 import torch
 import torch.nn as nn
 
-from ..planning.costs import choose_strategy, predicted_comm
-from ..planning.coverage import describe
-from ..planning.memory_model import model_state, replicated_model_state
+from ..planning.costs.comm_costs import choose_strategy, predicted_comm
+from ..planning.assignment.coverage import describe
+from ..planning.costs.memory_model import model_state, replicated_model_state
 from ..planning.sharding import predicted_fsdp_comm
 from ..models import GPT_PRESETS, LLAMA_PRESETS, build_model
-from ..planning.budget import NoConfigurationFits, plan_for_memory
+from ..planning.costs.budget import NoConfigurationFits, plan_for_memory
 from ..planning.plan import plan_subnetworks
-from ..planning.sizes import format_size, parse_size
+from ..planning.costs.sizes import format_size, parse_size
 from ..vocabulary import LEVELS, REGIMES
 
 MIB = 2 ** 20

@@ -18,7 +18,7 @@ expected size of the residual updates matches training's.
 The blocks are those SDP's planner finds, their branches the traced residual adds'
 other operands (GPT: attn and mlp; LLaMA: self_attn and mlp; residual MLP: fc2). Blocks
 whose skip path is not their input (ResNet's projection or ReLU after the sum) are refused.
-Each block is swapped (engine/module_swaps.py) for a twin of a subclass of its class that may
+Each block is swapped (engine/regimes/module_swaps.py) for a twin of a subclass of its class that may
 drop it (`droppable_class`): the same attributes, children, hooks (activation checkpointing's
 included) and parameter names; `remove()` puts the blocks back.
 """
@@ -34,22 +34,22 @@ try:  # torch 2.14 tells symbolic tracing apart from torch.export (its is_fx_tra
 except ImportError:  # a torch without it: one flag for both
     from torch.fx._symbolic_trace import is_fx_tracing as is_fx_symbolic_tracing
 
-from ..engine.module_swaps import ModuleSwaps, twin
+from ..engine.regimes.module_swaps import ModuleSwaps, twin
 from .run_checkpoints import stream_seed
 
 
 def residual_branches(model: nn.Module) -> dict[str, tuple[str, ...]]:
     """{block path: (child names whose outputs are the block's residual branches)}, in model
-    order: the blocks the SDP planner finds (planning/blocks.py) and their traced residual
-    adds (planning/residual.py). Empty when the model has none.
+    order: the blocks the SDP planner finds (planning/discovery/blocks.py) and their traced residual
+    adds (planning/discovery/residual.py). Empty when the model has none.
 
     Raises:
         ValueError: a block whose skip path is not its input (a shortcut projection or a ReLU
             after the sum: dropping it would not be the identity), or a branch that is not
             one child's output (its scale has no module to act on).
     """
-    from ..planning.blocks import find_blocks
-    from ..planning.residual import trace_skip_path
+    from ..planning.discovery.blocks import find_blocks
+    from ..planning.discovery.residual import trace_skip_path
 
     out = {}
     for group in find_blocks(model):

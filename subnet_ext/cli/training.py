@@ -98,7 +98,7 @@ def make_scaler(method_name: str, precision: str, device: torch.device):
         return None
     if method_name == "ddp":
         return torch.amp.GradScaler(device.type)
-    from ..engine.grad_scaler import GradScaler
+    from ..engine.guards.grad_scaler import GradScaler
 
     return GradScaler(device.type, timeout=None)
 
@@ -159,7 +159,7 @@ class OptimizerStep:
     Args:
         method: the wrapped model (methods.Method: __call__, parameters, no_sync, clip_grad_norm_).
         optimizer: over method.parameters(), able to skip on the device (`make_optimizer`).
-        guard: engine.guard.NonFiniteGuard (it also keeps the scaler's flags).
+        guard: engine.guards.nonfinite_guard.NonFiniteGuard (it also keeps the scaler's flags).
         args: grad_accum, grad_clip, precision, lr, min_lr, lr_schedule, warmup_steps, steps.
         taken: steps already taken (a resumed run, skipped ones included), to position the schedule.
         fold_nonfinite_check: with clipping and a norm every rank agrees on, decide the skip

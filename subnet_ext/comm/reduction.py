@@ -20,7 +20,7 @@ gradients times each piece's scale. Two reductions:
 
 So the gradient's dtype (the buffer's) and the wire's are separate, and a new compression
 is one file: a hook, with its `collective_bytes(state, bucket)` for the cost model
-(planning/costs.py, WireModel). Parameters (sync_every > 1) and the refresh always go by
+(planning/costs/comm_costs.py, WireModel). Parameters (sync_every > 1) and the refresh always go by
 AllReduce in their own dtype: rounding the parameters themselves would lose them.
 """
 from __future__ import annotations
@@ -131,7 +131,7 @@ class Reduction:
     averages_over_group: False when the buffer afterwards holds the sum over the group (the
     unpack scales each piece by 1/owner-count), True when it holds the mean (by
     group size/owner-count). start() issues the collectives; collective_bytes() is the cost
-    model's view of them (planning/costs.py WireModel)."""
+    model's view of them (planning/costs/comm_costs.py WireModel)."""
 
     averages_over_group = False
     name = "reduction"

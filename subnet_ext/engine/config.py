@@ -21,9 +21,9 @@ import torch
 
 from ..comm.collectives import as_timedelta
 from ..planning.buckets import DEFAULT_BUCKET_CAP_MB
-from ..planning.costs import DEFAULT_LATENCY_BYTES, STRATEGIES
+from ..planning.costs.comm_costs import DEFAULT_LATENCY_BYTES, STRATEGIES
 from ..planning.plan import ReadOnlyDict, SubnetPlan
-from ..planning.schedule import OwnershipSchedule, check_periods
+from ..planning.assignment.schedule import OwnershipSchedule, check_periods
 from ..vocabulary import REGIMES
 
 # The engine's deadline for its collectives and for the check that every rank calls a collective
@@ -201,7 +201,7 @@ class SDPConfig:
 
     @property
     def schedule(self) -> OwnershipSchedule:
-        """The ownership schedule these options describe (planning/schedule.py)."""
+        """The ownership schedule these options describe (planning/assignment/schedule.py)."""
         return OwnershipSchedule(self.assignment, self.reassign_every, self.assignment_shift, self.assignment_seed)
 
     @property

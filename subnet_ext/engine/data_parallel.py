@@ -43,28 +43,29 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from ..comm.call_check import CallLedger, collective_method
 from ..planning.pieces import global_pieces
 from ..planning.plan import SubnetPlan, model_fingerprint
-from ..planning.schedule import plan_at, warn_if_never_co_trained
+from ..planning.assignment.schedule import plan_at, warn_if_never_co_trained
 from ..state import consistency, full_optim_state
 from ..state.tied_exports import with_aliases, without_aliases
 from ..state.assembly import assemble, load_pieces
 from ..state.layout import RankLayout
-from . import clipping, evaluation, guard, reassignment, reports
-from .communication import build_communication, piece_periods
+from . import clipping, evaluation, reassignment, reports
+from .guards import nonfinite_guard
+from .comm_setup import build_communication, piece_periods
 from .config import SDPConfig, config_from
 from .ddp_interface import DDPInterface
-from .engine_parts import EngineParts
-from .eval_mode import EvalForward
-from .optimizer_guard import OptimizerGuard
+from .part_access import EngineParts
+from .regimes.eval_mode import EvalForward
+from .guards.optimizer_guard import OptimizerGuard
 from .phase import Phase
-from .residual_scale import check_residual_scale, scale_full_state
-from .restore import materialise_meta, meta_skeleton
-from .wrapping import (broadcast_initial_state, check_placement, check_world, refuse_if_simulated, weak_call,
+from .regimes.residual_scale import check_residual_scale, scale_full_state
+from .regimes.restore import materialise_meta, meta_skeleton
+from .setup_checks import (broadcast_initial_state, check_placement, check_world, refuse_if_simulated, weak_call,
                     world_and_rank)
 from .shared_shards import SharedShards
-from .state_dict_guard import install_state_dict_guard
-from .module_swaps import ModuleSwaps
-from .owned_linear import attach_direct_gradients
-from .surgery import materialise_forward, prepare_backward
+from .guards.state_dict_guard import install_state_dict_guard
+from .regimes.module_swaps import ModuleSwaps
+from .layers.owned_linear import attach_direct_gradients
+from .regimes.surgery import materialise_forward, prepare_backward
 from .sync_norm import assign_sync_norm_groups, sync_norm_owners
 
 
@@ -228,7 +229,7 @@ class SubnetDataParallel(DDPInterface, EngineParts, nn.Module):
         """The plan's summary, then what this rank's wrap adds: the head groups that keep their width here
         (forward regime: their module cannot run sliced) and, at block level, which neighbouring blocks
         the ownership schedule trains together."""
-        from ..planning.schedule import co_training_lines
+        from ..planning.assignment.schedule import co_training_lines
         from ..planning.summary import width_kept_lines
 
         return "\n".join([self.plan.summary(), *width_kept_lines(self.width_kept)] +
@@ -388,9 +389,9 @@ class SubnetDataParallel(DDPInterface, EngineParts, nn.Module):
 
     def gradients_finite(self) -> bool:
         """True when every rank's gradients are finite (one all-reduced flag); when False,
-        skip optimizer.step() on every rank. Collective. See guard.py."""
+        skip optimizer.step() on every rank. Collective. See guards/nonfinite_guard.py."""
         self._check_open("gradients_finite")
-        return guard.gradients_finite(self._layout.trainable, self._process_group, self.config.timeout)
+        return nonfinite_guard.gradients_finite(self._layout.trainable, self._process_group, self.config.timeout)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                         foreach: bool | None = None, nonfinite_check: bool = False) -> torch.Tensor:

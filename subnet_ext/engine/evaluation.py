@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from ..comm import collectives
-from ..planning.model_copy import copy_model
+from ..planning.discovery.model_copy import copy_model
 from ..state.tied_exports import retie, without_aliases
 
 MODES = ("full", "ensemble", "subnetwork")

@@ -1,4 +1,4 @@
-"""A change of assignment (planning/schedule.py): what changes hands moves, the rest stays.
+"""A change of assignment (planning/assignment/schedule.py): what changes hands moves, the rest stays.
 
 At a change the engine rebuilds this rank's subnetwork for the new owners; this module carries
 the values across:
@@ -109,7 +109,7 @@ def unit_transfers(old_plan, new_plan, values: bool, trained=None) -> list[Trans
     or its trained parameters only (whose optimizer state moves). trained: the names of the parameters
     the user trains (requires_grad in the model as wrapped, the same on every rank; default: all)."""
     trained = old_plan.param_names if trained is None else trained
-    from ..planning.schedule import moved_units
+    from ..planning.assignment.schedule import moved_units
 
     owner_of = {}
     for g, (a, b) in zip(old_plan.groups, old_plan.unit_ranges):

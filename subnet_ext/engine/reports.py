@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..planning.costs import predicted_comm
-from ..planning.memory_model import model_state
+from ..planning.costs.comm_costs import predicted_comm
+from ..planning.costs.memory_model import model_state
 from ..planning.sharding import predicted_fsdp_comm
 from ..state.layout import local_tensor
 

@@ -24,7 +24,7 @@ from typing import Callable
 import torch.nn as nn
 
 from ..planning.pieces import Piece
-from .module_swaps import ModuleSwaps
+from .regimes.module_swaps import ModuleSwaps
 
 
 def sync_norm_owners(model: nn.Module, plan, pieces: list[Piece]) -> dict[str, tuple]:

@@ -3,7 +3,7 @@
 The steps are the user's methods on the LightningModule itself (`self.log`, lists of
 outputs, metrics held as attributes must stay those of the object the Trainer knows), so
 the evaluated model is put *inside* that object for the duration of each step and taken
-out after it, by the engine's swap record (engine/module_swaps.py: every change recorded,
+out after it, by the engine's swap record (engine/regimes/module_swaps.py: every change recorded,
 all undone after the step):
 
 - "full": the top-level children that hold the model's state (the ones whose names the
@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from ..engine.config import SDPConfig
 from ..engine.data_parallel import SubnetDataParallel
-from ..engine.module_swaps import ModuleSwaps
+from ..engine.regimes.module_swaps import ModuleSwaps
 from ..planning.plan import SubnetPlan
 from .subnetwork_ensemble import SubnetworkEnsemble
 

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision  # noqa: E402
 
 from ..engine.data_parallel import SubnetDataParallel  # noqa: E402
-from ..engine.grad_scaler import GradScaler  # noqa: E402
+from ..engine.guards.grad_scaler import GradScaler  # noqa: E402
 from .loss_scaling import agreed_scaler  # noqa: E402
 
 SUPPORTED = ("32-true", "bf16-mixed", "16-mixed")

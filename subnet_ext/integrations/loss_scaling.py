@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.grad_scaler import GradScaler
+from ..engine.guards.grad_scaler import GradScaler
 
 
 def agreed_scaler(scaler: torch.amp.GradScaler | None, device: str) -> GradScaler:

@@ -2,7 +2,7 @@
 
 `masked_linear_backward` is the one gradient formula of the masked linear: it is the
 registered autograd backward of masked_linear (registered below, see registration.py),
-and the backward regime's owned Linear layers (engine/surgery.py) compute their input and
+and the backward regime's owned Linear layers (engine/regimes/surgery.py) compute their input and
 owned weight gradients by calling it, the latter written straight into a communication
 bucket (`grad_weight_out`). Notation: see the package docstring (W [O, I], R = out_idx,
 S = in_idx).

@@ -18,9 +18,10 @@ refused only when no shared parameter ties the ranks either.
 Parts:
 - Unit: one unit of a plan (its group, index and size);
 - ReadOnlyDict: the frozen plan's mappings (picklable, unlike mappingproxy);
-- model_fingerprint: what a plan read from JSON is checked against;
+- model_fingerprint (from discovery/model_units.py): what a plan read from JSON is checked against;
 - SubnetPlan: the plan as a value, with its owner queries, costs, JSON and summary;
-- plan_subnetworks: the planner (units, owners, checks).
+- plan_subnetworks: the planner (units, owners, checks); plan_from_units: the same from a
+  model's units read once (plan_for_memory plans every owner count from them).
 """
 from __future__ import annotations
 
@@ -33,14 +34,14 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .assign import assign_blocks, assign_neurons, assign_per_rank
+from .assignment.assign import assign_blocks, assign_neurons, assign_per_rank
 from .plan_json import check_plan_json
 from .summary import plan_summary
-from .coverage import check_arguments, describe, is_per_rank, owners_per_unit, warn_if_rounded
-from .rank_graph import check_ranks_tied, components, rank_graph, spectral_gap
-from .plan_costs import FLOAT_DTYPES, plan_costs
-from .model_units import ModelUnits, model_fingerprint, model_units  # noqa: F401  (the plan's API)
-from .units import UnitGroup
+from .assignment.coverage import check_arguments, describe, is_per_rank, owners_per_unit, warn_if_rounded
+from .assignment.rank_graph import check_ranks_tied, components, rank_graph, spectral_gap
+from .costs.unit_costs import FLOAT_DTYPES, plan_costs
+from .discovery.model_units import ModelUnits, model_fingerprint, model_units  # noqa: F401  (the plan's API)
+from .discovery.units import UnitGroup
 from ..vocabulary import dtype_size
 
 

@@ -5,7 +5,7 @@ projections: every rank holds them) are sharded along dim 0 across the K ranks b
 FSDP2; SDP keeps averaging the units among their owners. These functions say, from the
 plan alone, which pieces SDP still communicates and what the sharded part costs in
 communication, so the planner's prediction and the engine's report use the same numbers.
-Its memory is planning/memory_model.py's (model_state(..., shard_shared=True)).
+Its memory is planning/costs/memory_model.py's (model_state(..., shard_shared=True)).
 """
 from __future__ import annotations
 

@@ -8,9 +8,9 @@ module the planner left whole that it could have split is named with why (unspli
 """
 from __future__ import annotations
 
-from .coverage import describe, is_per_rank
-from .schedule import co_training_lines
-from .unsplit import unsplit_lines
+from .assignment.coverage import describe, is_per_rank
+from .assignment.schedule import co_training_lines
+from .discovery.unsplit import unsplit_lines
 
 HELD_MARGIN = 0.10  # a rank holding more than coverage + this fraction of the parameters is flagged
 

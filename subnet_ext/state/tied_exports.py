@@ -1,4 +1,4 @@
-"""Tied weights in exports: the plan's aliases (planning/aliases.py) written back.
+"""Tied weights in exports: the plan's aliases (planning/discovery/aliases.py) written back.
 
 A state dict the engine exports holds each alias under its own name as the very tensor of
 its canonical name (saved once by torch.save, loads strict into a fresh tied model); one

@@ -8,7 +8,7 @@ checkpointing); DDP's peak holds at least its model state as counted here from t
 (parameters, gradients, AdamW's two moments: 16 bytes per parameter); FSDP2's holds less
 than a quarter of that (the state sharded over 8); SDP at C = 0.25 on blocks in the forward
 regime peaks below DDP; every prediction lies within 10% of the meter (DDP and FSDP2 from
-planning/replicated_memory.py, SDP from planning/memory_model.py, all under bf16 autocast
+planning/costs/replicated_memory.py, SDP from planning/costs/memory_model.py, all under bf16 autocast
 and AdamW's foreach update).
 """
 import json

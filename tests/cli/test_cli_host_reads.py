@@ -64,7 +64,7 @@ def test_steps_read_nothing_and_the_log_interval_once(regime, precision, nan_at,
 def test_the_fused_finiteness_flag(bad):
     """guard.nonfinite_flag against the test's own element-wise check, over dtypes, an
     empty gradient and a parameter without one."""
-    from subnet_ext.engine.guard import nonfinite_flag
+    from subnet_ext.engine.guards.nonfinite_guard import nonfinite_flag
 
     params = [torch.nn.Parameter(torch.zeros(shape, dtype=dtype))
               for shape, dtype in [((0,), torch.float32), ((3, 4), torch.float32), ((5,), torch.bfloat16),

@@ -2,7 +2,7 @@
 (simulate_rank), so collectives count their bytes and change nothing (a group of one).
 
 - for every built-in reduction and both bucket strategies, the bytes and collectives the
-  communicator counts per step equal the cost model's prediction (planning/costs.py);
+  communicator counts per step equal the cost model's prediction (planning/costs/comm_costs.py);
 - bf16 on the wire: a rank alone gets back its own gradients rounded to bf16;
 - what a hook is given: each held piece's matrix is that piece's rectangle of its gradient;
 - a hook's wrong result and a second hook are refused with errors that say what to do;

@@ -59,7 +59,7 @@ def test_a_gradient_reaches_its_collective_in_a_few_hops(level, regime):
     paths, direct = run_distributed(_paths, 2, level, regime, timeout=300)[0]
     assert paths, "no all-reduce during the backward"
     if (level, regime) == ("neuron", "backward"):  # the masked kernel writes runs into their buckets and reports
-        assert direct > 0 and any(path[0] == ("engine/owned_linear.py", "backward") for path in paths), paths
+        assert direct > 0 and any(path[0] == ("engine/layers/owned_linear.py", "backward") for path in paths), paths
     entries = set()
     for path in paths:
         assert all(not f.startswith("..") for f, _ in path), path  # nothing but the package's own frames
@@ -68,6 +68,6 @@ def test_a_gradient_reaches_its_collective_in_a_few_hops(level, regime):
         assert len(path) <= 8 and len(files) <= 4, path
         entries.add(path[0])
     assert entries <= {("comm/averaging.py", "__call__"), ("comm/averaging.py", "_after_backward"),
-                       ("engine/owned_linear.py", "backward")}, entries
+                       ("engine/layers/owned_linear.py", "backward")}, entries
     longest = max(paths, key=len)
     assert sum(f == "comm/averaging.py" for f, _ in longest) >= 2  # the averager is told directly: no detour

@@ -27,12 +27,12 @@ import torch.nn as nn
 
 import subnet_ext as sx
 from sdp_helpers import batch, make_model, train
-from subnet_ext.engine import surgery
-from subnet_ext.engine.module_swaps import ModuleSwaps, twin
-from subnet_ext.engine.owned_conv import OwnedConv2d
-from subnet_ext.engine.owned_linear import OwnedLinear
-from subnet_ext.engine.sliced_layers import SlicedConv2d, SlicedLinear
-from subnet_ext.engine.width_keeping import WidthKeptLinear
+from subnet_ext.engine.regimes import surgery
+from subnet_ext.engine.regimes.module_swaps import ModuleSwaps, twin
+from subnet_ext.engine.layers.owned_conv import OwnedConv2d
+from subnet_ext.engine.layers.owned_linear import OwnedLinear
+from subnet_ext.engine.layers.sliced_layers import SlicedConv2d, SlicedLinear
+from subnet_ext.engine.layers.width_keeping import WidthKeptLinear
 from subnet_ext.models.gpt import GPT, GPTConfig
 from subnet_ext.models.resnet import resnet18
 from subnet_ext.testing import run_distributed

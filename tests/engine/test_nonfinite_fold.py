@@ -22,7 +22,7 @@ from sdp_helpers import batch, make_model
 from subnet_ext.cli.methods import SDPMethod
 from subnet_ext.cli.training import OptimizerStep, make_optimizer
 from subnet_ext.engine.clipping import synchronised_grad_norm
-from subnet_ext.engine.guard import NonFiniteGuard
+from subnet_ext.engine.guards.nonfinite_guard import NonFiniteGuard
 from subnet_ext.testing import run_distributed
 
 WORLD, STEPS, BAD_STEP, BAD_RANK = 3, 5, 3, 1

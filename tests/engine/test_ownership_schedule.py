@@ -1,4 +1,4 @@
-"""Ownership that moves (planning/schedule.py, engine/reassignment.py), with 4 gloo ranks against
+"""Ownership that moves (planning/assignment/schedule.py, engine/reassignment.py), with 4 gloo ranks against
 references computed in this one process.
 
 The reference of a schedule is written here from its definition: at step s the owner matrix is the
@@ -357,7 +357,7 @@ def test_resume_across_a_change_on_the_same_and_another_world_size():
 
 
 def test_the_plan_says_which_neighbours_train_together_and_the_engine_warns():
-    from subnet_ext.planning.schedule import co_training_lines
+    from subnet_ext.planning.assignment.schedule import co_training_lines
 
     plan = build_plan("block")
     text = plan.summary()

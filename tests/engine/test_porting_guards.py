@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 import subnet_ext as sx
-from subnet_ext.engine.optimizer_guard import StaleOptimizerError
-from subnet_ext.engine.state_dict_guard import PartialStateError
+from subnet_ext.engine.guards.optimizer_guard import StaleOptimizerError
+from subnet_ext.engine.guards.state_dict_guard import PartialStateError
 from subnet_ext.models.gpt import GPT, GPTConfig
 from subnet_ext.testing import run_distributed
 

@@ -22,7 +22,7 @@ from subnet_ext.checkpoint import load_subnet_checkpoint, save_subnet_checkpoint
 from subnet_ext.planning.pieces import global_pieces
 from subnet_ext.comm.collectives import CollectiveError
 from subnet_ext.state.consistency import ConsistencyError, describe_piece
-from subnet_ext.engine.guard import NonFiniteGuard, TooManySkippedSteps
+from subnet_ext.engine.guards.nonfinite_guard import NonFiniteGuard, TooManySkippedSteps
 
 TIMEOUT_S = 3.0
 

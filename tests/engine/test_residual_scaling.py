@@ -1,4 +1,4 @@
-"""Residual scaling in the weights (planning/branch_ends.py, engine/residual_scale.py).
+"""Residual scaling in the weights (planning/discovery/branch_ends.py, engine/regimes/residual_scale.py).
 
 Reference: each model's forward with every residual branch's output multiplied by a
 factor, through forward hooks on the branch modules chosen here by name (attn, mlp,
@@ -14,11 +14,11 @@ import torch.nn as nn
 
 import subnet_ext as sx
 from subnet_ext.engine.evaluation import full_model
-from subnet_ext.engine.residual_scale import owner_fractions, scale_full_state, scaled_names
-from subnet_ext.engine.restore import meta_skeleton
+from subnet_ext.engine.regimes.residual_scale import owner_fractions, scale_full_state, scaled_names
+from subnet_ext.engine.regimes.restore import meta_skeleton
 from subnet_ext.models import build_model
 from subnet_ext.models.gpt import GPT, GPT_PRESETS
-from subnet_ext.planning.branch_ends import branch_ends
+from subnet_ext.planning.discovery.branch_ends import branch_ends
 
 
 def _models():

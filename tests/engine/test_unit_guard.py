@@ -6,7 +6,7 @@ past max_skipped naming them."""
 import pytest
 import torch
 
-from subnet_ext.engine.guard import NonFiniteGuard, TooManySkippedSteps, step_unless
+from subnet_ext.engine.guards.nonfinite_guard import NonFiniteGuard, TooManySkippedSteps, step_unless
 
 
 def params_with_grads(seed: int, bad: bool = False) -> list[torch.nn.Parameter]:

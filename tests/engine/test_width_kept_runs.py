@@ -1,4 +1,4 @@
-"""The run path of width-kept projections (engine/width_kept_runs.py) against the masked
+"""The run path of width-kept projections (engine/layers/width_kept_runs.py) against the masked
 linear's pure-PyTorch reference (subnet_ext.reference): a producer writing its owned runs'
 outputs into their column slices of the full width, a consumer reading its owned runs' input
 columns, forward and every gradient, with and without bias, in fp32, fp64 and under bf16
@@ -10,8 +10,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from subnet_ext import reference as ref
-from subnet_ext.engine.width_kept_runs import WidthKeptRuns, index_runs, runs_worth_it
-from subnet_ext.engine.width_keeping import WidthKeptLinear
+from subnet_ext.engine.layers.width_kept_runs import WidthKeptRuns, index_runs, runs_worth_it
+from subnet_ext.engine.layers.width_keeping import WidthKeptLinear
 
 WIDTH, IN, HEAD = 48, 20, 8
 # Heads 0, 2, 3 of 6 (head_dim 8): runs (0, 8) and (16, 16), in the compact weight's order.

@@ -3,7 +3,7 @@
 `NanoGPTAttention` is written the way nanoGPT's CausalSelfAttention is: `c_attn(x).split(
 self.n_embd)` and `view(B, T, self.n_head, C // self.n_head)` with C taken from its input, so
 its forward cannot run with its heads sliced. At wrap time the engine finds that and keeps the
-module's width (engine/width_keeping.py). Against a hand-written reference (each owned head's
+module's width (engine/layers/width_keeping.py). Against a hand-written reference (each owned head's
 attention computed alone from the full weights, concatenated, through the owned columns of
 c_proj):
 
@@ -239,7 +239,7 @@ def _worker(rank, world):
             "forward" not in vars(model.h[0].attn.c_attn)
 
     # Coverage 1 with width keeping forced: the masked op runs every row; compared with DDP.
-    from subnet_ext.engine import surgery
+    from subnet_ext.engine.regimes import surgery
 
     original = surgery.check_sliced_heads
     surgery.check_sliced_heads = lambda m, plan, pieces, r: {g.path: "forced" for g in plan.groups if g.kind == "head"}
@@ -274,8 +274,8 @@ def test_two_ranks_train_assemble_close_and_equal_ddp_at_coverage_one():
 @pytest.mark.parametrize("path", ["runs", "masked"])
 def test_width_kept_attention_on_cuda(path, monkeypatch):
     """The same width-kept attention with its weights and inputs on the GPU: on the run path
-    (engine/width_kept_runs.py) and, with it turned off, through the masked op's CUDA kernels."""
-    from subnet_ext.engine import width_kept_runs
+    (engine/layers/width_kept_runs.py) and, with it turned off, through the masked op's CUDA kernels."""
+    from subnet_ext.engine.layers import width_kept_runs
 
     if path == "masked":
         monkeypatch.setattr(width_kept_runs, "MIN_MEAN_RUN", 10**9)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import subnet_ext as sx
 from subnet_ext.models.gpt import GPT, GPT_PRESETS
-from subnet_ext.planning.assign import assign_blocks, block_pairs_covered
+from subnet_ext.planning.assignment.assign import assign_blocks, block_pairs_covered
 
 
 def _held(owners):

@@ -1,4 +1,4 @@
-"""plan_for_memory and `subnet-plan --memory-budget` (subnet_ext/planning/budget.py).
+"""plan_for_memory and `subnet-plan --memory-budget` (subnet_ext/planning/costs/budget.py).
 
 For three models (the study's residual MLP and GPT, the bundled LLaMA), a budget is set
 between two candidates' predictions; the chosen configuration is built and one rank's real
@@ -16,8 +16,8 @@ import subnet_ext as sx
 from memory_steps import MIB, gpt_task, measure_rank_step, mlp_task
 from subnet_ext.cli.plan import main as subnet_plan
 from subnet_ext.models import build_model
-from subnet_ext.planning.budget import MARGIN, PREFERENCE, QUALITY_NOTE
-from subnet_ext.planning.sizes import parse_size
+from subnet_ext.planning.costs.budget import MARGIN, PREFERENCE, QUALITY_NOTE
+from subnet_ext.planning.costs.sizes import parse_size
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -1,4 +1,4 @@
-"""The memory model (subnet_ext/planning/memory_model.py) against live measurements.
+"""The memory model (subnet_ext/planning/costs/memory_model.py) against live measurements.
 
 Its predicted peak of one training step is compared with StepMemoryMeter on a real step of
 one rank (tests/memory_steps.py) of the study's two models and the bundled ResNet, at small sizes: SDP at C=1 (what
@@ -13,8 +13,8 @@ import torch
 
 import subnet_ext as sx
 from memory_steps import MIB, gpt_task, measure_rank_step, mlp_task, resnet_task
-from subnet_ext.planning.activation_trace import trace_activations
-from subnet_ext.planning.memory_model import model_state, optimizer_moments, predict_step_memory
+from subnet_ext.planning.costs.activation_trace import trace_activations
+from subnet_ext.planning.costs.memory_model import model_state, optimizer_moments, predict_step_memory
 
 CONFIGS = [  # (task, level, regime, coverage, activation checkpointing)
     ("mlp", "block", "forward", 1.0, False),
@@ -135,7 +135,7 @@ def test_update_temporaries_of_each_optimizer_kernel(kernel, options):
     """A step whose peak is the optimizer's (a few tokens, small buckets): AdamW's for-loop,
     foreach and fused updates, each forced on the CPU, against the meter; the kernel read off
     the optimizer as the model's helper reads it."""
-    from subnet_ext.planning.memory_model import optimizer_kernel
+    from subnet_ext.planning.costs.memory_model import optimizer_kernel
 
     model, x, y = _llama()
     plan = sx.plan_subnetworks(model, 4, 1.0, "block", seed=0)
@@ -152,7 +152,7 @@ def test_update_temporaries_of_each_optimizer_kernel(kernel, options):
 
 
 def test_optimizer_kernel_defaults_follow_torch():
-    from subnet_ext.planning.memory_model import optimizer_kernel, update_temporaries
+    from subnet_ext.planning.costs.memory_model import optimizer_kernel, update_temporaries
 
     params = [torch.nn.Parameter(torch.zeros(3))]
     assert optimizer_kernel(torch.optim.AdamW(params)) == "for-loop"  # the CPU's default
@@ -186,7 +186,7 @@ def test_autocast_bf16_steps_within_ten_percent(level):
 def test_refresh_buffer_is_the_largest_broadcast(level, coverage):
     """The backward regime's refresh buffer, as the model predicts it, against the bytes the
     engine allocated for it after a step (every rank of K = 8)."""
-    from subnet_ext.planning.memory_model import _refresh_buffer_bytes
+    from subnet_ext.planning.costs.memory_model import _refresh_buffer_bytes
 
     model, x, y = _llama()
     plan = sx.plan_subnetworks(model, 8, coverage, level, seed=0)

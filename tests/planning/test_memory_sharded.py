@@ -4,8 +4,8 @@ import pytest
 
 import subnet_ext as sx
 from memory_steps import MIB, gpt_task
-from subnet_ext.planning.activation_trace import trace_activations
-from subnet_ext.planning.memory_model import predict_step_memory
+from subnet_ext.planning.costs.activation_trace import trace_activations
+from subnet_ext.planning.costs.memory_model import predict_step_memory
 from subnet_ext.testing import run_distributed
 
 

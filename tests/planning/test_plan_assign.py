@@ -19,7 +19,7 @@ from sdp_helpers import make_model
 def test_neuron_assignment_properties(n, k, r, groups):
     """Guarantee (for r <= K, n*r >= K): every unit has exactly r owners; in every group each
     rank owns floor(r*n/K) or ceil(r*n/K) units, so at least 1 and exactly r*n/K when K | r*n."""
-    from subnet_ext.planning.assign import assign_neurons
+    from subnet_ext.planning.assignment.assign import assign_neurons
 
     r = min(r, k)
     if n * r < k:

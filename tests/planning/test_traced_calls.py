@@ -20,8 +20,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import subnet_ext as sx
-from subnet_ext.planning.call_trace import RecordedCalls
-from subnet_ext.planning.residual import ResidualError, trace_skip_path, traced_call_skip_path
+from subnet_ext.planning.discovery.call_trace import RecordedCalls
+from subnet_ext.planning.discovery.residual import ResidualError, trace_skip_path, traced_call_skip_path
 from user_blocks import NAMES, NEED_A_CALL, SAMPLE, block_paths, build
 
 pytestmark = pytest.mark.filterwarnings("ignore:SubnetPlan. ranks")

@@ -60,7 +60,7 @@ class Config:
 
 
 def _status_bytes(field: str) -> int:
-    from subnet_ext.cli.methods import proc_status_bytes
+    from subnet_ext.measure.storage import proc_status_bytes
 
     return proc_status_bytes(field)
 

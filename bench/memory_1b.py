@@ -200,7 +200,7 @@ def _sync(device):
 def measure(setup: Setup, row: Row) -> dict:
     """Warm-up, timed and metered steps of `row`: {"step_s", "peak", "meter", "model_state"}."""
     from subnet_ext.data.tokens import SyntheticTokens
-    from subnet_ext.engine.memory_meter import StepMemoryMeter
+    from subnet_ext.measure.step_memory import StepMemoryMeter
 
     opts, device = setup.opts, setup.device
     # What the rows before left allocated (0 unless one leaked): it would count in this row's peak.

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from subnet_ext.cli.methods import proc_status_bytes
+from subnet_ext.measure.storage import proc_status_bytes
 from subnet_ext.vocabulary import LEVELS, REGIMES
 
 

@@ -94,7 +94,7 @@ def setup_section(res: Results, record: dict) -> str:
         "DDP's model): their loss is that run's trajectory read at their own marks (equal FLOPs differs: "
         "checkpointing recomputes), and their memory, FLOPs and communication are measured on "
         f"{profile.get('measure_steps')} steps of their own.",
-        "- Memory: subnet_ext.engine.memory_meter.StepMemoryMeter over one whole step (forward, backward, "
+        "- Memory: subnet_ext.measure.step_memory.StepMemoryMeter over one whole step (forward, backward, "
         "optimizer) of every run, the same code for every method: live tensor storage followed through the "
         "dispatcher (allocations, frees, FSDP2's storage resizes), its peak split into model state (parameters, "
         "gradients, optimizer state, buffers), activations (tensors autograd saved for backward, never a "

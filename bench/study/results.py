@@ -4,7 +4,7 @@
 run). A run is read at a protocol's mark ("tokens": equal tokens, "flops": equal FLOPs,
 "seconds": equal wall time, CUDA only), each the end of a cooldown branch. Differences are
 paired: per seed, the run minus the other run of that seed (stats.compare).
-Memory is the StepMemoryMeter's peak of one whole step (subnet_ext.engine.memory_meter),
+Memory is the StepMemoryMeter's peak of one whole step (subnet_ext.measure.step_memory),
 the worst rank over every seed.
 """
 from __future__ import annotations

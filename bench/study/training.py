@@ -26,7 +26,7 @@ from subnet_ext.cli.loop import make_method
 from subnet_ext.cli.stochastic_depth import StochasticDepth
 from subnet_ext.cli.training import OptimizerStep, apply_activation_checkpointing, make_optimizer
 from subnet_ext.engine.guards.nonfinite_guard import NonFiniteGuard
-from subnet_ext.engine.memory_meter import StepMemoryMeter
+from subnet_ext.measure.step_memory import StepMemoryMeter
 
 TRAIN_LOSSES = 8  # the training loss of this many first steps of the stable trajectory is recorded
 
@@ -54,7 +54,7 @@ class Run:
     """One training run of configuration `cfg` (runs.py) on this rank; collective to build."""
 
     def __init__(self, cfg: dict, profile: dict, device, task, reference: dict):
-        from subnet_ext.cli.methods import proc_status_bytes
+        from subnet_ext.measure.storage import proc_status_bytes
 
         self.rss_at_start = proc_status_bytes("VmRSS")  # before the model: what this configuration adds is above it
         self.cfg, self.device, self.task, self.reference = cfg, device, task, reference
@@ -186,7 +186,7 @@ class Run:
     def measurements(self) -> dict:
         """This rank's costs: the metered step's peak memory and its split, the model state held,
         peak RSS, the counted step's FLOPs, the median step time, CPU seconds."""
-        from subnet_ext.cli.methods import proc_status_bytes
+        from subnet_ext.measure.storage import proc_status_bytes
 
         return {"rank": self.rank, "meter": self.meter, "memory": self.memory,
                 "peak_rss_bytes": proc_status_bytes("VmHWM"), "rss_at_start_bytes": self.rss_at_start,

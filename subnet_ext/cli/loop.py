@@ -23,7 +23,8 @@ from ..engine.guards.nonfinite_guard import NonFiniteGuard
 from .launch import init_distributed, pick_backend
 from . import run_checkpoints
 from .faults import Faults
-from .methods import ActivationMeter, DDPMethod, FSDPMethod, SDPMethod, peak_rss_bytes
+from ..measure.storage import ActivationMeter, peak_rss_bytes
+from .methods import DDPMethod, FSDPMethod, SDPMethod
 from .stochastic_depth import StochasticDepth
 from .tasks import build_task
 from .training import OptimizerStep, apply_activation_checkpointing, make_optimizer, training_settings

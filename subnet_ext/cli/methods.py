@@ -5,7 +5,6 @@ collectives, activation bytes) so the report compares them side by side.
 from __future__ import annotations
 
 import contextlib
-import resource
 
 import torch
 import torch.distributed as dist
@@ -13,44 +12,7 @@ import torch.nn as nn
 
 from ..planning.buckets import DEFAULT_BUCKET_CAP_MB
 from ..comm.communicator import CommCounter
-
-
-def tensor_bytes(t: torch.Tensor) -> int:
-    """Bytes this rank holds for t (the local shard of a DTensor)."""
-    local = t.to_local() if hasattr(t, "to_local") else t
-    return local.numel() * local.element_size()
-
-
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the tensors in `optimizer.state` this rank holds (local shards of DTensors)."""
-    return sum(tensor_bytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
-
-
-class ActivationMeter:
-    """Bytes of tensors autograd saves for backward during a forward (tensor accounting).
-
-    Parameters are not activations and are skipped; storages saved twice count once.
-    """
-
-    def __init__(self):
-        self.bytes = 0
-        self._seen = set()
-
-    def _pack(self, t):
-        if not isinstance(t, nn.Parameter) and t.device.type != "meta":
-            key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-            if key not in self._seen:
-                self._seen.add(key)
-                self.bytes += key[1]
-        return t
-
-    def __enter__(self):
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
+from ..measure.storage import optimizer_state_bytes, tensor_bytes
 
 
 @contextlib.contextmanager
@@ -64,24 +26,6 @@ def eval_mode(module: nn.Module):
     finally:
         for m, training in modes.items():
             m.training = training
-
-
-def peak_rss_bytes() -> int:
-    """Peak resident set size of this process in bytes (getrusage ru_maxrss, KiB on Linux, x 1024)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def proc_status_bytes(field: str) -> int:
-    """A memory field of /proc/self/status in bytes ("VmRSS": resident now, "VmHWM": its
-    high-water mark); 0 where the field or the file is missing (not Linux)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def _counting_allreduce_hook(counter: CommCounter):

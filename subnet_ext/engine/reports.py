@@ -9,7 +9,7 @@ import torch.nn as nn
 from ..planning.costs.comm_costs import predicted_comm
 from ..planning.costs.memory_model import model_state
 from ..planning.sharding import predicted_fsdp_comm
-from ..state.layout import local_tensor
+from ..measure.storage import local_tensor, storage_counter
 
 
 def comm_stats(counter, plan, rank: int, strategy: str, strategy_costs, regime: str, bucket_cap_bytes: float,
@@ -46,24 +46,6 @@ def comm_stats(counter, plan, rank: int, strategy: str, strategy_costs, regime: 
     }
 
 
-def _storage_counter():
-    """nbytes(tensors): bytes of the storages not counted before (shared storage counts once)."""
-    seen = set()
-
-    def nbytes(ts):
-        total = 0
-        for t in ts:
-            if t is None or t.device.type == "meta":
-                continue
-            key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-            if key not in seen:
-                seen.add(key)
-                total += key[1]
-        return total
-
-    return nbytes
-
-
 def memory_report(module: nn.Module, extra_params: list, averager, device: torch.device, optimizer=None,
                   shared_shards=None, refresh=None) -> dict:
     """Bytes one rank holds; see SubnetDataParallel.memory_report.
@@ -78,7 +60,7 @@ def memory_report(module: nn.Module, extra_params: list, averager, device: torch
         refresh: the backward regime's {period: CopyRefresher}: "refresh_buffer" is their persistent
             buffers (0 before the first refresh; None in the forward regime).
     """
-    nbytes = _storage_counter()
+    nbytes = storage_counter()
     params = nbytes([local_tensor(p) for p in module.parameters()] + list(extra_params))
     bucket_storages = averager.buffer_storages()
     grad_list = [local_tensor(p.grad) for p in module.parameters() if p.grad is not None]

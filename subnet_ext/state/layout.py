@@ -29,15 +29,10 @@ import torch.nn as nn
 from ..comm.places import HeldPiece, Rect, area, as_2d
 from ..planning.pieces import Piece, full_rectangle, global_pieces, local_starts, rectangle, shard_rows
 from ..planning.plan import SubnetPlan
+from ..measure.storage import local_tensor
 
 __all__ = ["RankLayout", "HeldPiece", "Rect", "area", "as_2d", "copy_overlaps", "local_tensor", "overlapping",
            "piece_key"]
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (a sharded shared parameter, its gradient or its
-    optimizer state), or `t` itself: the tensor a rectangle addresses."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
 
 def piece_key(piece: Piece) -> str:
     """A name for a piece that is unique within one plan: 'blocks.0.fc1.weight|0:32:16'."""

@@ -1,4 +1,4 @@
-"""StepMemoryMeter (subnet_ext/engine/memory_meter.py), the study's one meter of per-rank peak memory.
+"""StepMemoryMeter (subnet_ext/measure/step_memory.py), the study's one meter of per-rank peak memory.
 
 Checked against three references:
 - torch's own MemTracker (torch.distributed._tools.mem_tracker) on the same step: the peak
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_iter
 
-from subnet_ext.engine.memory_meter import StepMemoryMeter, measure_step
+from subnet_ext.measure.step_memory import StepMemoryMeter, measure_step
 from subnet_ext.testing import run_distributed
 from gpu_marks import needs_cuda
 from shakespeare_file import needs_tiny_shakespeare

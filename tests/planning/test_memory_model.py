@@ -115,7 +115,7 @@ def _llama(batch=1, seq_len=4):
 
 def _metered_step(sdp, opt, x, y, compute_dtype=None):
     """StepMemoryMeter.result() of the third step (the optimizer state exists from the second)."""
-    from subnet_ext.engine.memory_meter import StepMemoryMeter
+    from subnet_ext.measure.step_memory import StepMemoryMeter
 
     for _ in range(3):
         meter = StepMemoryMeter([sdp], [opt])

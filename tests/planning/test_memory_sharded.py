@@ -13,7 +13,7 @@ def _sharded_step_worker(rank, world, coverage, level):
     import torch
     import torch.nn.functional as F
 
-    from subnet_ext.engine.memory_meter import StepMemoryMeter
+    from subnet_ext.measure.step_memory import StepMemoryMeter
 
     model, x, y = gpt_task(preset="small", batch=2, seq_len=32)
     plan = sx.plan_subnetworks(model, world, coverage, level, seed=0)

@@ -25,7 +25,7 @@ import pathlib
 
 PACKAGE = "subnet_ext"
 ROOT = pathlib.Path(__file__).resolve().parents[2] / PACKAGE
-LAYERS = ["vocabulary", "ops", "planning", "comm", "state", "engine", "integrations", "cli"]
+LAYERS = ["vocabulary", "measure", "ops", "planning", "comm", "state", "engine", "integrations", "cli"]
 LEAVES = {"models", "data"}
 LEAF_USERS = {"planning", "engine", "cli"}
 TOP = {PACKAGE, f"{PACKAGE}.testing"}

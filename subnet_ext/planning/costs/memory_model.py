@@ -23,7 +23,7 @@ whole forward runs). With activation checkpointing the blocks keep only their in
 block's saved tensors are recomputed at a time in backward (a transient).
 
 The peak is the largest of three moments, found by metering real steps
-(engine/memory_meter.py; tests/planning/test_memory_model.py checks the sum within 10%):
+(measure/step_memory.py; tests/planning/test_memory_model.py checks the sum within 10%):
 - start of backward: persistent + bucketed gradients + activations + two of the largest saved
   tensors' size (the gradient flowing back and the next one) [+ one recomputed block];
 - end of backward: persistent + every gradient + gradients not yet in their bucket (at most

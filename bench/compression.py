@@ -145,7 +145,7 @@ def write_report(opts, command: str, started: float, load_before: str, records: 
 
 def main(argv=None) -> int:
     """Train, time and write the report; returns the exit code."""
-    from subnet_ext.cli.launch import spawn_local
+    from subnet_ext.jobs.launch import spawn_local
 
     opts = build_parser().parse_args(argv)
     if opts.seeds < 1 or opts.rounds < 1 or opts.window < 1:

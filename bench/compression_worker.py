@@ -1,7 +1,7 @@
 """The ranks of bench/compression.py: training runs (K = 4) and interleaved step timing (K = 2).
 
 Each rank builds its task (TASK_SIZES: the sizes of the earlier study's quick profile, on which the
-committed results were measured; subnet_ext.cli's task, optimizer and optimizer step, the study's
+committed results were measured; subnet_ext.jobs' task, optimizer and optimizer step, the study's
 evaluation) and an SDP engine whose gradient
 reduction is one of REDUCTIONS; rank 0 writes one JSON per training run, and one for the
 timing, into the work folder.
@@ -20,12 +20,12 @@ import torch.distributed as dist
 from study.evaluation import evaluate_method
 from study.runs import training_overrides
 from subnet_ext import SDPConfig, SubnetDataParallel, plan_subnetworks
-from subnet_ext.cli.arguments import training_args
-from subnet_ext.cli.launch import init_distributed, pick_backend
-from subnet_ext.cli.methods import Method, SDPMethod
-from subnet_ext.cli.plan import sample_input_for
-from subnet_ext.cli.tasks import build_task
-from subnet_ext.cli.training import OptimizerStep, make_optimizer
+from subnet_ext.jobs.arguments import training_args
+from subnet_ext.jobs.launch import init_distributed, pick_backend
+from subnet_ext.jobs.methods import Method, SDPMethod
+from subnet_ext.jobs.tasks import sample_input_for
+from subnet_ext.jobs.tasks import build_task
+from subnet_ext.jobs.training import OptimizerStep, make_optimizer
 from subnet_ext.comm.hooks import LowRankState, low_rank_hook
 from subnet_ext.engine.guards.nonfinite_guard import NonFiniteGuard
 
@@ -152,7 +152,7 @@ def _interleaved(task_name: str, spec: dict, device) -> dict:
 
 
 def run_group(spec: dict) -> None:
-    """Entry point of every rank (subnet_ext.cli.launch.spawn_local): spec = {"mode": "train" | "time",
+    """Entry point of every rank (subnet_ext.jobs.launch.spawn_local): spec = {"mode": "train" | "time",
     "work", "steps", "jobs" (train), "tasks", "rounds", "window" (time)}."""
     backend, device = pick_backend("auto", "cpu")
     init_distributed(backend, timeout_s=TIMEOUT, device=device)

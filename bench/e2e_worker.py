@@ -87,8 +87,8 @@ class _Run:
     """One configuration built on this rank: the wrapped model, its optimizer and batches."""
 
     def __init__(self, rank: int, world: int, cfg: Config, device: torch.device):
-        from subnet_ext.cli.methods import DDPMethod, FSDPMethod, SDPMethod
-        from subnet_ext.cli.plan import sample_input_for
+        from subnet_ext.jobs.methods import DDPMethod, FSDPMethod, SDPMethod
+        from subnet_ext.jobs.tasks import sample_input_for
         from subnet_ext.data.tokens import SyntheticTokens
         from subnet_ext.models.llama import LLAMA_PRESETS
         from subnet_ext.models.registry import build_model

@@ -162,7 +162,7 @@ class Setup:
 
 def build(setup: Setup, row: Row):
     """(the module a step calls, the modules holding model state, the optimizer) of `row`."""
-    from subnet_ext.cli.training import apply_activation_checkpointing
+    from subnet_ext.jobs.training import apply_activation_checkpointing
     from subnet_ext.models.llama import LlamaForCausalLM
 
     torch.manual_seed(setup.opts.seed)

@@ -41,8 +41,8 @@ def _worker(rank, world, port, opts, queue):
     from argparse import Namespace
 
     import subnet_ext as sx
-    from subnet_ext.cli.methods import SDPMethod
-    from subnet_ext.cli.training import OptimizerStep, make_optimizer
+    from subnet_ext.jobs.methods import SDPMethod
+    from subnet_ext.jobs.training import OptimizerStep, make_optimizer
     from subnet_ext.data.tokens import SyntheticTokens
     from subnet_ext.engine.guards.nonfinite_guard import NonFiniteGuard
     from subnet_ext.models.llama import LLAMA_PRESETS, LlamaForCausalLM
@@ -102,7 +102,7 @@ def run(opts) -> list[dict]:
     """Per rank: {variant: [(median finish s, median step s) per round]}."""
     import torch.multiprocessing as mp
 
-    from subnet_ext.cli.launch import free_port
+    from subnet_ext.jobs.launch import free_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

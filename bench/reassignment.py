@@ -34,7 +34,7 @@ def _worker(rank, world, level, regime, rounds, steps, data):
     import torch.nn.functional as F
 
     import subnet_ext as sx
-    from subnet_ext.cli.tasks import build_task
+    from subnet_ext.jobs.tasks import build_task
 
     task = build_task(f"shakespeare:{data}", "gpt", "shakespeare", 3, 64, seed=0)
     engines = {}

@@ -46,7 +46,7 @@ def run(opts, sdp: bool, device, dtype) -> dict:
     from subnet_ext import plan_subnetworks
     from subnet_ext.data.tokens import SyntheticTokens
     from subnet_ext.models.llama import LLAMA_PRESETS, LlamaForCausalLM
-    from subnet_ext.cli.methods import Method, SDPMethod
+    from subnet_ext.jobs.methods import Method, SDPMethod
 
     torch.manual_seed(0)
     cfg = LLAMA_PRESETS[opts.preset]

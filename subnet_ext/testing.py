@@ -94,7 +94,7 @@ def _distributed_entry(rank, world_size, port, fn, args, queue, backend="gloo"):
 
         queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
-        from .cli.launch import exit_worker, shutdown_distributed
+        from .jobs.launch import exit_worker, shutdown_distributed
 
         shutdown_distributed()
         queue.close()
@@ -116,7 +116,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180.0, backend:
 
     import torch.multiprocessing as mp
 
-    from .cli.launch import free_port
+    from .jobs.launch import free_port
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import subnet_ext as sx
-from subnet_ext.cli.training import apply_activation_checkpointing
+from subnet_ext.jobs.training import apply_activation_checkpointing
 from subnet_ext.measure.step_memory import StepMemoryMeter
 from subnet_ext.models import build_model
 

@@ -147,7 +147,7 @@ def machine() -> dict:
 def run_study(opts) -> dict:
     """Train every pending configuration (one launch per world size); returns the run's record."""
     from .worker import run_group
-    from subnet_ext.cli.launch import choose_backend, spawn_local
+    from subnet_ext.jobs.launch import choose_backend, spawn_local
 
     name = _profile_name(opts)
     profile = dict(PROFILES[name], name=name)

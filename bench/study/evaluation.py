@@ -18,8 +18,8 @@ import copy
 import torch
 import torch.distributed as dist
 
-from subnet_ext.cli.methods import eval_mode
-from subnet_ext.cli.tasks import logits_of
+from subnet_ext.jobs.methods import eval_mode
+from subnet_ext.jobs.tasks import logits_of
 from subnet_ext.engine.regimes.residual_scale import scale_full_state
 
 

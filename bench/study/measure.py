@@ -78,7 +78,7 @@ def block_training_flops(model: torch.nn.Module, block_paths: list[str], batch: 
     every method is compared to, and stochastic depth's per-step FLOPs (minus dropped blocks)."""
     import torch.nn.functional as F
 
-    from subnet_ext.cli.tasks import logits_of
+    from subnet_ext.jobs.tasks import logits_of
 
     x, y = batch
     with FlopCounterMode(display=False) as counter:

@@ -238,7 +238,7 @@ def batch_size_of(cfg: dict, sizes: dict) -> int:
 
 
 def training_overrides(cfg: dict, sizes: dict, timeout: float, device_type: str) -> dict:
-    """subnet_ext.cli.arguments.training_args(**overrides) of one configuration (sizes: its task's)."""
+    """subnet_ext.jobs.arguments.training_args(**overrides) of one configuration (sizes: its task's)."""
     overrides = dict(method=cfg["method"], model=sizes["model"], preset=cfg.get("preset", sizes["preset"]),
                      data=sizes["data"], steps=sizes["steps"], batch_size=batch_size_of(cfg, sizes),
                      seq_len=sizes["seq_len"], lr=sizes["lr"], min_lr=sizes["min_lr"], beta2=sizes["beta2"],

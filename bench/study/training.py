@@ -21,10 +21,10 @@ import torch.distributed as dist
 
 from .measure import counting_flops
 from .runs import batch_size_of, training_overrides
-from subnet_ext.cli.arguments import training_args
-from subnet_ext.cli.loop import make_method
-from subnet_ext.cli.stochastic_depth import StochasticDepth
-from subnet_ext.cli.training import OptimizerStep, apply_activation_checkpointing, make_optimizer
+from subnet_ext.jobs.arguments import training_args
+from subnet_ext.jobs.loop import make_method
+from subnet_ext.jobs.stochastic_depth import StochasticDepth
+from subnet_ext.jobs.training import OptimizerStep, apply_activation_checkpointing, make_optimizer
 from subnet_ext.engine.guards.nonfinite_guard import NonFiniteGuard
 from subnet_ext.measure.step_memory import StepMemoryMeter
 

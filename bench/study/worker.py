@@ -34,15 +34,15 @@ from .evaluation import evaluate_method
 from .measure import block_training_flops, register_masked_linear_flops, reset_peak_rss
 from .training import Run
 from .runs import (MAX_EXTENSION, cooldown_steps, flops_mark, result_path, seconds_mark, tokens_mark)
-from subnet_ext.cli.launch import init_distributed, pick_backend
-from subnet_ext.cli.stochastic_depth import residual_branches
-from subnet_ext.cli.tasks import build_task
+from subnet_ext.jobs.launch import init_distributed, pick_backend
+from subnet_ext.jobs.stochastic_depth import residual_branches
+from subnet_ext.jobs.tasks import build_task
 
 METER_STEP = 2  # the third step: after the first (counted) and the optimizer state's creation
 
 
 def run_group(spec: dict) -> None:
-    """Entry point of every rank (subnet_ext.cli.launch.spawn_local): spec = {"device", "profile",
+    """Entry point of every rank (subnet_ext.jobs.launch.spawn_local): spec = {"device", "profile",
     "out", "jobs": [job, ...]} (runs.jobs)."""
     backend, device = pick_backend("auto", spec["device"])
     init_distributed(backend, timeout_s=spec["profile"]["timeout"], device=device)

@@ -1,1 +1,2 @@
-"""Command line: `subnet-train` (training, comparison, launch) and `subnet-plan`."""
+"""Command line: `subnet-train` (train.py; comparison in compare.py) and `subnet-plan` (plan.py).
+What they run is subnet_ext.jobs."""

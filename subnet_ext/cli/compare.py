@@ -30,7 +30,7 @@ def _positive_int(value: str) -> int:
 
 def build_parser():
     """The argparse parser of `subnet-train compare` (workers, steps, coverage, model, data, output folder)."""
-    from .arguments import HelpFormatter
+    from ..jobs.arguments import HelpFormatter
 
     p = argparse.ArgumentParser(prog="subnet-train compare", formatter_class=HelpFormatter, description=(
         "Train DDP and the four SDP variants (block/neuron level x forward/backward regime) with the same\n"
@@ -52,8 +52,8 @@ def build_parser():
 
 def run_variants(opts, variants, seed: int) -> list[dict]:
     """One report per variant at `seed`, each from training_args(...) -> run (no command lines)."""
-    from .arguments import training_args
-    from .runner import run
+    from ..jobs.arguments import training_args
+    from ..jobs.runner import run
 
     reports = []
     for method, level, regime in variants:
@@ -72,7 +72,7 @@ def run_variants(opts, variants, seed: int) -> list[dict]:
 def main(argv=None) -> int:
     """Train every method/variant with the same settings (over --seeds seeds), one after another,
     and write the comparison table and plots under --out; returns the process exit code (0 on success)."""
-    from .report import markdown_table, plot_runs, seeds_table
+    from ..jobs.report import markdown_table, plot_runs, seeds_table
 
     opts = build_parser().parse_args(argv)
     variants = list(VARIANTS) + ([("fsdp", None, None)] if opts.with_fsdp else [])

@@ -17,7 +17,6 @@ import argparse
 import sys
 
 import torch
-import torch.nn as nn
 
 from ..planning.costs.comm_costs import choose_strategy, predicted_comm
 from ..planning.assignment.coverage import describe
@@ -27,6 +26,7 @@ from ..models import GPT_PRESETS, LLAMA_PRESETS, build_model
 from ..planning.costs.budget import NoConfigurationFits, plan_for_memory
 from ..planning.plan import plan_subnetworks
 from ..planning.costs.sizes import format_size, parse_size
+from ..jobs.tasks import sample_input_for
 from ..vocabulary import LEVELS, REGIMES
 
 MIB = 2 ** 20
@@ -34,7 +34,7 @@ MIB = 2 ** 20
 
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of `subnet-plan` (model, preset, width, world size, coverage, level, ...)."""
-    from .arguments import HelpFormatter
+    from ..jobs.arguments import HelpFormatter
 
     p = argparse.ArgumentParser(prog="subnet-plan", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--model", choices=("mlp", "resnet", "llama", "gpt"), default="llama", help="the model to plan")
@@ -96,32 +96,6 @@ def fit_budget(args, model):
           f"{'yes (--activation-checkpointing)' if fit.activation_checkpointing else 'no'}\n")
     args.regime, args.shard_shared = fit.sdp_kwargs["regime"], fit.sdp_kwargs["shard_shared"]
     return fit.plan
-
-
-def sample_input_for(model_name: str, model: nn.Module, seq_len: int = 64, data: str | None = None):
-    """(shape, dtype) of one sample `model` reads, for plan_subnetworks(sample_input=...).
-
-    llama, gpt: ([1, seq_len], int64) tokens; hf:DIR (a transformers causal LM): None (its forward
-    cannot be traced on the meta device, so the planner counts FLOPs as 2 x parameters); mlp/plain_mlp: ([1, in_features], param dtype);
-    resnet: ([1, in_channels, s, s], param dtype) with s = 8 for --data digits, else 32
-    (CIFAR). Raises ValueError for another model name or a non-positive seq_len.
-    """
-    if model_name.startswith("hf:"):
-        return None
-    if model_name in ("llama", "gpt"):
-        if not isinstance(seq_len, int) or seq_len < 1:
-            raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
-        return (1, seq_len), torch.long
-    floats = [p.dtype for p in model.parameters() if p.is_floating_point()]
-    dtype = floats[0] if floats else torch.float32
-    if model_name in ("mlp", "plain_mlp"):
-        first = next(m for m in model.modules() if isinstance(m, nn.Linear))
-        return (1, first.in_features), dtype
-    if model_name == "resnet":
-        first = next(m for m in model.modules() if isinstance(m, nn.Conv2d))
-        side = 8 if data == "digits" else 32
-        return (1, first.in_channels, side, side), dtype
-    raise ValueError(f"no sample input known for model {model_name!r}; expected llama, gpt, mlp, plain_mlp or resnet")
 
 
 def _state(plan, rank: int, regime: str, shard_shared: bool = False) -> float:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import sys
 
-from .arguments import METHODS, MODELS, build_parser, check_args, training_args  # noqa: F401  (the CLI's API)
-from .launch import exit_worker, under_torchrun
-from .runner import run
+from ..jobs.arguments import METHODS, MODELS, build_parser, check_args, training_args  # noqa: F401  (the CLI's API)
+from ..jobs.launch import exit_worker, under_torchrun
+from ..jobs.runner import run
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `subnet-train` (also `subnet-train compare ...`): parse, run, print the report
@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
-    from .launch import WorkerError, clean_stop_types
+    from ..jobs.launch import WorkerError, clean_stop_types
 
     torchrun = under_torchrun()  # before run(): a one-process run sets the same variables itself
     try:
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     if torchrun:
         exit_worker(0)  # this process is one of torchrun's workers: see launch.exit_worker
     if report is not None:
-        from .report import markdown_table
+        from ..jobs.report import markdown_table
 
         print(markdown_table([report], baseline_label=report["label"]))
     return 0

@@ -17,7 +17,7 @@ from subnet_ext import checkpoint as ck
 from subnet_ext.state import checkpoint_store as layer_checkpoint
 from subnet_ext.state.checkpoint_store import MANIFEST, read_manifest
 from subnet_ext.cli.train import build_parser, check_args, main
-from subnet_ext.cli.run_checkpoints import load_full_model_state
+from subnet_ext.jobs.run_checkpoints import load_full_model_state
 
 TINY = ["--model", "mlp", "--width", "16", "--data", "digits", "--batch-size", "16", "--method", "sdp"]
 

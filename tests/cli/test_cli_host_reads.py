@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from host_reads import counting_host_reads
-from subnet_ext.cli import loop
-from subnet_ext.cli.faults import NAN
-from subnet_ext.cli.tasks import build_task
+from subnet_ext.jobs import loop
+from subnet_ext.jobs.faults import NAN
+from subnet_ext.jobs.tasks import build_task
 from subnet_ext.cli.train import build_parser, check_args
-from subnet_ext.cli.training import make_optimizer
+from subnet_ext.jobs.training import make_optimizer
 
 
 def args_for(*argv):
@@ -47,10 +47,10 @@ def test_steps_read_nothing_and_the_log_interval_once(regime, precision, nan_at,
         measured = loop._train(args, task, method, optimizer, history, 0, device, 0)
     assert measured is not None
     # Reads of values the step computed (not the batches, which are made on the host).
-    step_reads = [r for r in host.reads if not r[1].startswith(("data/", "cli/tasks.py"))]
+    step_reads = [r for r in host.reads if not r[1].startswith(("data/", "jobs/tasks.py"))]
     flushes = math.ceil(steps / log_every)
     assert len(step_reads) == flushes, step_reads
-    assert all(r[1] == "cli/loop.py" for r in step_reads), step_reads  # the flush's one copy, nothing else
+    assert all(r[1] == "jobs/loop.py" for r in step_reads), step_reads  # the flush's one copy, nothing else
     assert host.scalar_reads == []  # nor does torch read a value (fp16: the scaler hands found_inf to the optimizer)
     assert history["skipped"] == ([] if nan_at is None else [nan_at])
     assert len(history["loss"]) == len(history["grad_norm"]) == steps

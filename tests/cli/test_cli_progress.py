@@ -11,8 +11,9 @@ import re
 
 import pytest
 
-from subnet_ext.cli import compare, plan, progress
-from subnet_ext.cli.report import markdown_table
+from subnet_ext.cli import compare, plan
+from subnet_ext.jobs import progress
+from subnet_ext.jobs.report import markdown_table
 from subnet_ext.cli.train import build_parser, main
 
 TINY = ["--model", "mlp", "--width", "16", "--data", "digits", "--batch-size", "16", "--nproc", "1"]

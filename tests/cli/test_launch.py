@@ -11,7 +11,8 @@ import torch
 
 import torch.distributed as dist
 
-from subnet_ext.cli import launch, loop, runner, train
+from subnet_ext.cli import train
+from subnet_ext.jobs import launch, loop, runner
 
 
 @pytest.fixture

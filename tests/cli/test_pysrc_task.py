@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from subnet_ext.cli.arguments import training_args
-from subnet_ext.cli.tasks import build_task, logits_of
+from subnet_ext.jobs.arguments import training_args
+from subnet_ext.jobs.tasks import build_task, logits_of
 from subnet_ext.data.char_windows import CharWindows
 from subnet_ext.data.pysrc import load_pysrc
 

@@ -13,9 +13,9 @@ import sys
 import pytest
 import torch
 
-from subnet_ext.cli.launch import free_port
+from subnet_ext.jobs.launch import free_port
 from subnet_ext.cli.train import main
-from subnet_ext.cli.run_checkpoints import load_full_model_state
+from subnet_ext.jobs.run_checkpoints import load_full_model_state
 from subnet_ext.state.checkpoint_store import read_state, state_metadata
 
 TINY = ["--model", "mlp", "--width", "16", "--data", "digits", "--batch-size", "16", "--method", "sdp"]

@@ -1,4 +1,4 @@
-"""DDP + stochastic depth (subnet_ext/cli/stochastic_depth.py).
+"""DDP + stochastic depth (subnet_ext/jobs/stochastic_depth.py).
 
 References: the GPT's blocks run by hand (a dropped block skipped, branches scaled by p at
 evaluation), and for DDP a one-process computation of the averaged gradient: each rank's
@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from subnet_ext.cli.arguments import training_args
-from subnet_ext.cli.stochastic_depth import StochasticDepth, residual_branches
+from subnet_ext.jobs.arguments import training_args
+from subnet_ext.jobs.stochastic_depth import StochasticDepth, residual_branches
 from subnet_ext.models import build_model
 from subnet_ext.testing import run_distributed
 
@@ -56,7 +56,7 @@ def test_blocks_are_swapped_not_patched_and_remove_puts_them_back():
     objects unchanged, nothing set on them); with activation checkpointing installed first, the
     blocks keep less for the backward (recomputed), and a step keeping every block gives the plain
     model's gradients bit for bit; remove() restores the model's own blocks and its unscaled evaluation."""
-    from subnet_ext.cli.training import apply_activation_checkpointing
+    from subnet_ext.jobs.training import apply_activation_checkpointing
     from subnet_ext.models.gpt import Block
 
     model = _gpt()
@@ -124,7 +124,7 @@ def test_branches_traced_for_the_projects_transformer_and_mlp_blocks():
 
 
 def _ddp_worker(rank, world, drop):
-    from subnet_ext.cli.methods import DDPMethod
+    from subnet_ext.jobs.methods import DDPMethod
 
     model = _gpt()
     sd = StochasticDepth(model, drop=drop, seed=9, rank=rank)

@@ -7,8 +7,9 @@ import sys
 import pytest
 import torch
 
-from subnet_ext.cli import compare, runner, train
-from subnet_ext.cli.report import seeds_table
+from subnet_ext.cli import compare, train
+from subnet_ext.jobs import runner
+from subnet_ext.jobs.report import seeds_table
 
 transformers = pytest.importorskip("transformers")  # the [hf] extra; in the Makefile's DEPS, so CI has it
 

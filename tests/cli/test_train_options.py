@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from subnet_ext.cli.tasks import build_task
+from subnet_ext.jobs.tasks import build_task
 from subnet_ext.cli.train import main, training_args
 
 TINY = ["--model", "mlp", "--data", "digits", "--steps", "3", "--batch-size", "8", "--width", "16"]

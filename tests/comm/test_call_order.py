@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 import subnet_ext as sx
 from sdp_helpers import batch, make_model
-from subnet_ext.cli.launch import free_port
+from subnet_ext.jobs.launch import free_port
 from subnet_ext.testing import run_distributed
 
 TIMEOUT_S = 5.0
@@ -105,7 +105,7 @@ def test_the_default_deadline_is_the_command_lines_and_the_porting_guides():
     """The engine's default deadline is DEFAULT_TIMEOUT_S = 300 s, subnet-train's --timeout
     default, and the porting guide states it beside the rank-0-only pattern (the engines a
     test builds without a timeout use it: test_the_check_adds_nothing_to_a_training_step)."""
-    from subnet_ext.cli.arguments import build_parser
+    from subnet_ext.jobs.arguments import build_parser
     from subnet_ext.engine.config import DEFAULT_TIMEOUT_S
 
     assert sx.SDPConfig().timeout == DEFAULT_TIMEOUT_S == 300.0

@@ -21,7 +21,7 @@ import tempfile
 
 import torch.distributed as dist
 
-from subnet_ext.cli.launch import free_port
+from subnet_ext.jobs.launch import free_port
 
 RUNS = 5  # the same script ran 50 times in a row without an abort (docs/porting.md)
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -74,7 +74,7 @@ def test_every_window_predicts_each_character_once():
 
 @needs_file
 def test_the_task_trains_and_evaluates_on_every_validation_window():
-    from subnet_ext.cli.tasks import build_task
+    from subnet_ext.jobs.tasks import build_task
 
     task = build_task(f"shakespeare:{PATH}", "gpt", "shakespeare", 3, 64, seed=0)
     x, y = task.batch(0, 1, 4)

@@ -56,7 +56,7 @@ def test_simulated_rank_on_gpu_matches_cpu(regime, level):
 def test_nccl_single_rank_equals_plain_training():
     import torch.distributed as dist
 
-    from subnet_ext.cli.launch import free_port
+    from subnet_ext.jobs.launch import free_port
 
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:

@@ -74,7 +74,7 @@ def _gpt(seq_len=64, checkpoint=False):
     torch.manual_seed(0)
     model = GPT(GPT_PRESETS["deep"])
     if checkpoint:
-        from subnet_ext.cli.training import apply_activation_checkpointing
+        from subnet_ext.jobs.training import apply_activation_checkpointing
 
         apply_activation_checkpointing(model)
     g = torch.Generator().manual_seed(0)
@@ -195,9 +195,9 @@ def test_result_before_a_step_is_refused():
 # one-process group, SDP as a simulated rank of K = 4).
 
 def _ratio_worker(rank, world, sizes_list, data):
-    from subnet_ext.cli.methods import DDPMethod, SDPMethod
-    from subnet_ext.cli.tasks import build_task
-    from subnet_ext.cli.training import apply_activation_checkpointing
+    from subnet_ext.jobs.methods import DDPMethod, SDPMethod
+    from subnet_ext.jobs.tasks import build_task
+    from subnet_ext.jobs.training import apply_activation_checkpointing
     from subnet_ext.planning.plan import plan_subnetworks
 
     out = []

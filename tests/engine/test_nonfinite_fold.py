@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 import subnet_ext as sx
 from sdp_helpers import batch, make_model
-from subnet_ext.cli.methods import SDPMethod
-from subnet_ext.cli.training import OptimizerStep, make_optimizer
+from subnet_ext.jobs.methods import SDPMethod
+from subnet_ext.jobs.training import OptimizerStep, make_optimizer
 from subnet_ext.engine.clipping import synchronised_grad_norm
 from subnet_ext.engine.guards.nonfinite_guard import NonFiniteGuard
 from subnet_ext.testing import run_distributed

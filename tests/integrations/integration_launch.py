@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from subnet_ext.cli.launch import free_port
+from subnet_ext.jobs.launch import free_port
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]

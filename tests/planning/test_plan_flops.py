@@ -87,7 +87,8 @@ def test_traced_neuron_flops_match_hand_count_and_leave_model_alone():
 
 
 def test_cli_sample_inputs_and_resnet_plan_output(capsys):
-    from subnet_ext.cli.plan import main, sample_input_for
+    from subnet_ext.cli.plan import main
+    from subnet_ext.jobs.tasks import sample_input_for
 
     with torch.device("meta"):
         resnet = build_model("resnet", in_channels=3, num_classes=10)

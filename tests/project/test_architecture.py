@@ -25,9 +25,9 @@ import pathlib
 
 PACKAGE = "subnet_ext"
 ROOT = pathlib.Path(__file__).resolve().parents[2] / PACKAGE
-LAYERS = ["vocabulary", "measure", "ops", "planning", "comm", "state", "engine", "integrations", "cli"]
+LAYERS = ["vocabulary", "measure", "ops", "planning", "comm", "state", "engine", "integrations", "jobs", "cli"]
 LEAVES = {"models", "data"}
-LEAF_USERS = {"planning", "engine", "cli"}
+LEAF_USERS = {"planning", "engine", "jobs", "cli"}
 TOP = {PACKAGE, f"{PACKAGE}.testing"}
 PARTS_LINES, MAX_MODULE_LINES, MAX_FUNCTION_LINES = 400, 800, 60
 NO_CALLBACK_LAYERS = {"ops", "planning", "comm"}  # take data and typed objects from above, never behaviour

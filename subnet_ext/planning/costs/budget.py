@@ -6,7 +6,7 @@ train better than any subnetwork; which quality a configuration gives is the use
 
     fit = sx.plan_for_memory(model, world_size=4, budget="8GiB", sample_input=x, optimizer="adamw")
     if fit.activation_checkpointing:
-        ...  # checkpoint the blocks (subnet_ext.cli.training.apply_activation_checkpointing) first
+        ...  # checkpoint the blocks (subnet_ext.jobs.training.apply_activation_checkpointing) first
     sdp = sx.SubnetDataParallel(model, fit.plan, **fit.sdp_kwargs)
 
 Every owner count from K down to 1 is tried (`owner_counts`): each coverage of PREFERENCE stands

@@ -8,7 +8,7 @@ three moments as SDP's (planning/costs/memory_model.py) apply:
   step, its gradients living in the bucket buffers; DDP keeps its buckets (one copy of every
   gradient, allocated at wrap time) beside the gradients autograd accumulates, so from the
   end of backward to the optimizer step a second copy of every gradient is alive.
-- FSDP2 (`fully_shard` on each residual block, then on the root, as cli/methods.py and
+- FSDP2 (`fully_shard` on each residual block, then on the root, as jobs/methods.py and
   bench/memory_1b.py wrap): parameters, gradients and optimizer state are sharded over the
   K ranks (dim 0, padded to a multiple of K rows); every rank runs the whole model, so its
   activations are the full model's; the root's own parameters (embeddings, final norm, LM

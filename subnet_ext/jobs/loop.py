@@ -47,7 +47,7 @@ def make_method(args: Namespace, model, device, stochastic_depth=None):
     if args.method == "fsdp":
         return FSDPMethod(model, device)
     from ..planning.plan import plan_subnetworks
-    from .plan import sample_input_for
+    from .tasks import sample_input_for
 
     # FLOPs traced at the task's input size, so blocks are balanced by compute as well as bytes
     sample = sample_input_for(args.model, model, getattr(args, "seq_len", 64), getattr(args, "data", None))

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from ..data.rank_batches import ShardedBatches
@@ -228,3 +229,29 @@ def _language_task(data, model, preset, batch_size, seq_len, seed, eval_sequence
         return train_src.batch(batch_size, gen)
 
     return Task(data.split(":")[0], make, batch, eval_batches, "language", floor)
+
+
+def sample_input_for(model_name: str, model: nn.Module, seq_len: int = 64, data: str | None = None):
+    """(shape, dtype) of one sample `model` reads, for plan_subnetworks(sample_input=...).
+
+    llama, gpt: ([1, seq_len], int64) tokens; hf:DIR (a transformers causal LM): None (its forward
+    cannot be traced on the meta device, so the planner counts FLOPs as 2 x parameters); mlp/plain_mlp: ([1, in_features], param dtype);
+    resnet: ([1, in_channels, s, s], param dtype) with s = 8 for --data digits, else 32
+    (CIFAR). Raises ValueError for another model name or a non-positive seq_len.
+    """
+    if model_name.startswith("hf:"):
+        return None
+    if model_name in ("llama", "gpt"):
+        if not isinstance(seq_len, int) or seq_len < 1:
+            raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+        return (1, seq_len), torch.long
+    floats = [p.dtype for p in model.parameters() if p.is_floating_point()]
+    dtype = floats[0] if floats else torch.float32
+    if model_name in ("mlp", "plain_mlp"):
+        first = next(m for m in model.modules() if isinstance(m, nn.Linear))
+        return (1, first.in_features), dtype
+    if model_name == "resnet":
+        first = next(m for m in model.modules() if isinstance(m, nn.Conv2d))
+        side = 8 if data == "digits" else 32
+        return (1, first.in_channels, side, side), dtype
+    raise ValueError(f"no sample input known for model {model_name!r}; expected llama, gpt, mlp, plain_mlp or resnet")

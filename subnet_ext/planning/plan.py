@@ -18,9 +18,10 @@ refused only when no shared parameter ties the ranks either.
 Parts:
 - Unit: one unit of a plan (its group, index and size);
 - ReadOnlyDict: the frozen plan's mappings (picklable, unlike mappingproxy);
-- model_fingerprint: what a plan read from JSON is checked against;
+- model_fingerprint (from model_units.py): what a plan read from JSON is checked against;
 - SubnetPlan: the plan as a value, with its owner queries, costs, JSON and summary;
-- plan_subnetworks: the planner (units, owners, checks).
+- plan_subnetworks: the planner (units, owners, checks); plan_from_units: the same from a
+  model's units read once (plan_for_memory plans every owner count from them).
 """
 from __future__ import annotations
 

@@ -20,6 +20,11 @@ from .analysis import PROTOCOLS_DECIDED, is_sdp
 
 BEGIN, END = "<!-- study:begin", "<!-- study:end -->"
 ACCEPT = ("better", "no worse")
+# What a profile other than "full" leaves out, said where its block stands in for the study's.
+PROFILE_NOTES = {"quick": "is a smaller check of the pipeline (fewer seeds, far shorter runs)",
+                 "schedules": "is a narrower sweep, of ownership schedules (the recipe's length, but DDP and SDP "
+                              "only: no smaller dense model, FSDP2 or checkpointing; fewer seeds)",
+                 "cuda": "runs on GPUs, other machines"}
 TASK_WORDS = {"shakespeare": "nanoGPT's Tiny Shakespeare at its published CPU recipe: a 4-block GPT, 0.8 M parameters",
               "shakespeare-deep": "the same recipe with 8 blocks"}
 
@@ -173,8 +178,8 @@ def render_block(summary_data: dict, report_link: str | None, source: str, first
                  "label (\"no worse\": worse by less than the report's margin at most). SDP is used at a budget only "
                  "where it is better or no worse at both.")
     if summary_data["profile"] != "full":
-        lines += ["", f"*Profile `{summary_data['profile']}` is a smaller check of the pipeline (fewer seeds, far "
-                  "shorter runs) than `make study`: not a basis for the decision.*"]
+        lines += ["", f"*Profile `{summary_data['profile']}` {PROFILE_NOTES.get(summary_data['profile'], PROFILE_NOTES['quick'])} "
+                  "than `make study`: not a basis for the decision.*"]
     for task, t in list(summary_data["tasks"].items())[:1 if first_task_only else None]:
         lines += ["", f"**{task}** ({TASK_WORDS.get(task, task)}, K = {t['K']} ranks):", ""]
         lines += decision_table(t["decision"])

@@ -86,7 +86,7 @@ SCHEDULES = (("block", "static", 0, "contiguous"), ("block", "redraw", 1, "balan
              ("neuron", "redraw", 250, "balanced"), ("neuron", "rolling", 10, "balanced"))
 # The sweep's best schedule of each level at equal tokens (docs/study-schedules.md; a test checks these against its
 # summary.json): the full study trains them on every seed, the block level's on the deeper model too.
-BEST_SCHEDULES = ()
+BEST_SCHEDULES = (("block", "rolling", 50, "contiguous"),)  # neuron level: no schedule beat its static run
 # The smaller dense models: (name, GPT preset, the SDP setting whose per-rank size it has).
 DENSE_CONTROLS = {"main": (("dense-half-depth", "shakespeare-half-depth", ("block", 0.5)),
                            ("dense-half-width", "shakespeare-half-width", ("neuron", 0.5)),

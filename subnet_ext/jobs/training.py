@@ -157,7 +157,7 @@ class OptimizerStep:
     them every --log-every steps).
 
     Args:
-        method: the wrapped model (methods.Method: __call__, parameters, no_sync, clip_grad_norm_).
+        method: the wrapped model (methods.Method: ``__call__``, ``parameters``, ``no_sync``, ``clip_grad_norm_``).
         optimizer: over method.parameters(), able to skip on the device (`make_optimizer`).
         guard: engine.guards.nonfinite_guard.NonFiniteGuard (it also keeps the scaler's flags).
         args: grad_accum, grad_clip, precision, lr, min_lr, lr_schedule, warmup_steps, steps.

@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=64, help="llama, gpt: tokens in the traced sample (FLOPs)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the plan as JSON to PATH (default: no file)")
     p.add_argument("--memory-budget", type=_budget, default=None, metavar="SIZE",
-                   help="per-rank memory budget, e.g. 8GiB, 512MiB, 1.5GB: choose level, coverage, regime, sharding "
+                   help="per-rank memory budget, e.g. 8GiB, 512MiB, 1.5GB, or one per rank (8GiB,8GiB,4GiB,4GiB: "
+                        "a coverage per rank may be chosen): choose level, coverage, regime, sharding "
                         "and activation checkpointing that fit it (subnet_ext.plan_for_memory, every owner count from "
                         "--world-size down to 1; --coverage, --level and --regime are then chosen, not read), "
                         "printing every candidate's predicted peak (default: none, plan as given)")
@@ -69,12 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _budget(text: str) -> int:
-    """argparse type of --memory-budget: bytes, or argparse's error naming the bad size."""
+def _budget(text: str) -> int | list[int]:
+    """argparse type of --memory-budget: bytes, or a list of bytes (one per rank, comma-separated),
+    or argparse's error naming the bad size."""
     try:
-        return parse_size(text)
+        sizes = [parse_size(part.strip()) for part in text.split(",")]
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from e
+    return sizes[0] if len(sizes) == 1 else sizes
 
 
 def fit_budget(args, model):
@@ -83,12 +86,14 @@ def fit_budget(args, model):
     why nothing fits to stderr."""
     shape, dtype = sample_input_for(args.model, model, args.seq_len)
     sample = ((args.batch_size, *shape[1:]), dtype)
-    print(f"Fitting {format_size(args.memory_budget)} per rank, {args.world_size} ranks, batch {list(sample[0])} "
-          f"per rank, {args.optimizer}:\n")
+    budget = args.memory_budget
+    described = f"{', '.join(map(format_size, budget))} (one per rank)" if isinstance(budget, list) else \
+        f"{format_size(budget)} per rank"
+    print(f"Fitting {described}, {args.world_size} ranks, batch {list(sample[0])} per rank, {args.optimizer}:\n")
     try:
-        fit = plan_for_memory(model, args.world_size, args.memory_budget, sample_input=sample,
+        fit = plan_for_memory(model, args.world_size, budget, sample_input=sample,
                               optimizer=args.optimizer, seed=args.seed)
-    except NoConfigurationFits as e:
+    except (NoConfigurationFits, ValueError) as e:  # nothing fits, or not one budget per rank
         print(f"subnet-plan: {e}", file=sys.stderr)
         return None
     print(f"SubnetDataParallel(model, plan, regime={fit.sdp_kwargs['regime']!r}, "

@@ -6,6 +6,7 @@ training step metered (tests/memory_steps.py): its measured peak must fit the bu
 within 10% of the prediction. Also: the nothing-fits error, size parsing, the CLI flag, and
 that PREFERENCE follows the committed schedules sweep's losses.
 """
+import copy
 import json
 import os
 
@@ -53,6 +54,35 @@ def test_the_chosen_configuration_fits_when_measured(task):
     assert abs(measured - fit.predicted["total"]) <= 0.10 * measured, (measured, fit.predicted)
 
 
+def test_a_budget_per_rank_gives_each_rank_its_coverage_and_each_fits_when_measured():
+    """Two ranks with the memory of C = 1 and two with less: the planner gives the large ranks every
+    block and the small ones fewer (a coverage per rank no uniform candidate reaches), and each
+    rank's real step, metered, fits its own budget."""
+    model, x, y = gpt_task()
+    tried = sx.plan_for_memory(model, 4, "1TiB", sample_input=x, verbose=False).candidates
+    need = {c.coverage: c.rank_totals[0] * (1 + MARGIN) for c in tried
+            if (c.level, c.regime, c.shard_shared, c.activation_checkpointing) == ("block", "forward", False, False)}
+    large, small = int(need[1.0]) + MIB, int(need[0.5]) + MIB // 4  # C = 1 on the large, C = 0.5 on the small
+    assert small < need[0.75]  # so no uniform coverage above 0.5 fits every rank
+    fit = sx.plan_for_memory(model, 4, [large, large, small, small], sample_input=x, verbose=False)
+    assert fit.choice.coverage == (1.0, 1.0, 0.5, 0.5) and fit.budget == [large, large, small, small]
+    held = fit.plan.owners.sum(1).tolist()  # units per rank, counted from the plan's owner matrix
+    assert held[0] == held[1] == fit.plan.owners.shape[1] and held[2] == held[3] == fit.plan.owners.shape[1] // 2
+    for rank, budget in enumerate([large, large, small, small]):
+        measured = measure_rank_step(copy.deepcopy(model), fit.plan, x, y, rank=rank,
+                                     regime=fit.sdp_kwargs["regime"])["total"]
+        assert measured <= budget, (rank, measured / MIB, budget / MIB)
+
+
+def test_budgets_per_rank_are_checked():
+    model, x, _ = mlp_task()
+    with pytest.raises(ValueError, match="3 budgets for world size 4"):
+        sx.plan_for_memory(model, 4, ["1GiB"] * 3, sample_input=x, verbose=False)
+    same = sx.plan_for_memory(model, 4, ["1GiB"] * 4, sample_input=x, verbose=False)
+    assert same.choice.name == sx.plan_for_memory(model, 4, "1GiB", sample_input=x, verbose=False).choice.name
+    assert same.budget == 2 ** 30  # equal budgets are one budget
+
+
 def test_nothing_fits_names_the_budget_and_the_smallest_peak():
     model, x, _ = mlp_task()
     with pytest.raises(sx.NoConfigurationFits, match=r"budget of 0\.50 MiB .* smallest predicted peak is") as e:
@@ -80,6 +110,8 @@ def test_cli_memory_budget(capsys):
     assert "| configuration |" in out and "chosen" in out and "SubnetDataParallel(model, plan, regime=" in out
     assert subnet_plan(["--model", "gpt", "--preset", "deep", "--memory-budget", "1MiB"]) == 1
     assert "nothing fits a budget of 1.00 MiB" in capsys.readouterr().err
+    assert subnet_plan(["--model", "gpt", "--world-size", "4", "--memory-budget", "1GiB,1GiB"]) == 1
+    assert "2 budgets for world size 4" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         subnet_plan(["--model", "gpt", "--memory-budget", "8QiB"])
     assert "not a memory size: '8QiB'" in capsys.readouterr().err

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch.nn as nn
 
 from .activation_trace import trace_activations
-from .memory_model import worst_rank_memory
+from .memory_model import rank_memories
 from ..assignment.coverage import owners_per_unit
 from ..plan import SubnetPlan, model_units, plan_from_units
 from .sizes import format_size, parse_size
@@ -67,18 +67,26 @@ class Candidate:
 
     level: str
     regime: str
-    coverage: float
+    coverage: float | tuple  # one value, or one per rank (a budget per rank)
     shard_shared: bool
     activation_checkpointing: bool
     predicted: dict
     plan: SubnetPlan = field(repr=False)
+    rank_totals: tuple = ()  # predicted peak bytes of every rank, rank order
 
     @property
     def name(self) -> str:
-        """"block/forward C=0.5 +shard +ac"-style label."""
+        """"block/forward C=0.5 +shard +ac"-style label (C=[1,0.5,...] with a coverage per rank)."""
         extra = (" +shard-shared" if self.shard_shared else "") + (" +checkpointing" if self.activation_checkpointing
                                                                     else "")
-        return f"{self.level}/{self.regime} C={self.coverage:g}{extra}"
+        cov = f"[{','.join(f'{c:g}' for c in self.coverage)}]" if isinstance(self.coverage, tuple) else \
+            f"{self.coverage:g}"
+        return f"{self.level}/{self.regime} C={cov}{extra}"
+
+    @property
+    def mean_coverage(self) -> float:
+        """The fraction of the model a rank trains, averaged over the ranks: what plan_for_memory maximises."""
+        return sum(self.coverage) / len(self.coverage) if isinstance(self.coverage, tuple) else self.coverage
 
 
 @dataclass
@@ -89,7 +97,8 @@ class MemoryFit:
         plan: the chosen SubnetPlan. sdp_kwargs: {"regime", "shard_shared"} for SubnetDataParallel.
         activation_checkpointing: whether the blocks must be checkpointed (before wrapping).
         predicted: the chosen candidate's predicted worst-rank step memory (bytes).
-        budget: bytes per rank. candidates: every candidate tried, in preference order.
+        budget: bytes per rank (an int), or one per rank (a list). candidates: every candidate
+            tried, in preference order.
         choice: the chosen Candidate (its `name` says the configuration).
     """
 
@@ -97,7 +106,7 @@ class MemoryFit:
     sdp_kwargs: dict
     activation_checkpointing: bool
     predicted: dict
-    budget: int
+    budget: int | list
     candidates: list
     choice: Candidate = field(repr=False, default=None)
 
@@ -106,23 +115,47 @@ class MemoryFit:
         return candidates_table(self.candidates, self.budget, chosen=self.predicted)
 
 
-def candidates_table(candidates: list, budget: int, chosen: dict | None = None, margin: float = MARGIN) -> str:
+def candidates_table(candidates: list, budget, chosen: dict | None = None, margin: float = MARGIN) -> str:
     """Markdown table: one row per candidate, with the predicted worst rank's model state,
-    activations, transient and peak (MiB) and whether it fits `budget` (bytes) with `margin`."""
+    activations, transient and peak (MiB) and whether it fits `budget` (bytes, or one per rank:
+    every rank its own) with `margin`."""
     mib = 2 ** 20
-    lines = ["| configuration | model state MiB | activations MiB | transient MiB | peak MiB/rank | "
-             f"fits {format_size(budget)} |",
+    budgets = budget if isinstance(budget, list) else None
+    head = "fits each rank's budget" if budgets else f"fits {format_size(budget)}"
+    lines = ["| configuration | model state MiB | activations MiB | transient MiB | peak MiB/rank (worst) | "
+             f"{head} |",
              "|---|---:|---:|---:|---:|---|"]
     for c in candidates:
         p = c.predicted
-        mark = "chosen" if p is chosen else ("yes" if _fits(p, budget, margin) else "no")
+        fits = _fits(c, budgets or [budget] * max(1, len(c.rank_totals)), margin)
+        mark = "chosen" if p is chosen else ("yes" if fits else "no")
         lines.append(f"| {c.name} | {p['model_state'] / mib:.2f} | {p['activations'] / mib:.2f} | "
                      f"{p['transient'] / mib:.2f} | {p['total'] / mib:.2f} | {mark} |")
     return "\n".join(lines)
 
 
-def _fits(predicted: dict, budget: int, margin: float) -> bool:
-    return predicted["total"] * (1 + margin) <= budget
+def _fits(candidate: Candidate, budgets: list[int], margin: float) -> bool:
+    """Every rank's predicted peak, with the margin, within its own budget."""
+    totals = candidate.rank_totals or (candidate.predicted["total"],)
+    return all(t * (1 + margin) <= b for t, b in zip(totals, budgets))
+
+
+def _budgets(budget, world_size: int) -> list[int]:
+    """One budget in bytes per rank from one size for all or a list of one per rank."""
+    if isinstance(budget, (list, tuple)):
+        if len(budget) != world_size:
+            raise ValueError(f"plan_for_memory: {len(budget)} budgets for world size {world_size}: give one size "
+                             "for every rank, or one per rank")
+        return [parse_size(b) for b in budget]
+    return [parse_size(budget)] * world_size
+
+
+def _predict(plan, trace, **config) -> tuple[dict, tuple]:
+    """(the worst rank's predicted step memory with "rank" added, as memory_model.worst_rank_memory,
+    and every rank's predicted total: what a budget per rank is checked against)."""
+    per_rank = rank_memories(plan, trace, **config)
+    worst = max(range(plan.world_size), key=lambda r: per_rank[r]["total"])
+    return dict(per_rank[worst], rank=worst), tuple(p["total"] for p in per_rank)
 
 
 def _coverage(value, world_size: int) -> float:
@@ -174,13 +207,43 @@ def _candidates(model, world_size, sample_input, optimizer, seed, progress):
             for shard, ac in VARIANTS:
                 if (shard and world_size == 1) or (ac and (trace is None or not trace.block_inputs)):
                     continue  # nothing to shard over / no residual block to checkpoint
-                predicted = worst_rank_memory(plan, trace, regime=regime, optimizer=optimizer, shard_shared=shard,
-                                              activation_checkpointing=ac)
-                out.append(Candidate(level, regime, coverage, shard, ac, predicted, plan))
+                predicted, totals = _predict(plan, trace, regime=regime, optimizer=optimizer, shard_shared=shard,
+                                             activation_checkpointing=ac)
+                out.append(Candidate(level, regime, coverage, shard, ac, predicted, plan, totals))
         if progress:
             print(f"plan_for_memory: {step}/{len(order)} owner counts tried ({count} of {world_size} owners per "
                   f"unit, C = {coverage:g}: {', '.join(f'{lv}/{rg}' for lv, rg in entries)})", file=sys.stderr,
                   flush=True)
+    return out
+
+
+def _per_rank_candidates(uniform: list, budgets: list[int], margin: float, model, sample_input, optimizer,
+                         seed) -> list:
+    """Budgets that differ between ranks: for each configuration (level, regime, variant), rank r
+    gets the largest coverage whose uniform plan fits r's own budget (its prediction for r), and
+    the plan with those coverages is predicted again (units are dealt anew, so a rank's share of the
+    shared buckets may move): a candidate where it has ranks of more than one coverage."""
+    by_config = {}
+    for c in uniform:
+        by_config.setdefault((c.level, c.regime, c.shard_shared, c.activation_checkpointing), []).append(c)
+    out, units, traces = [], {}, {}
+    for (level, regime, shard, ac), group in by_config.items():
+        coverages = []
+        for r, b in enumerate(budgets):
+            fitting = [c.coverage for c in group if c.rank_totals[r] * (1 + margin) <= b]
+            coverages.append(max(fitting) if fitting else None)
+        if None in coverages or len(set(coverages)) == 1:
+            continue  # a rank fits no coverage, or every rank the same one (a uniform candidate)
+        if level not in units:
+            units[level] = model_units(model, level, sample_input=sample_input)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # as _candidates: the table says what it costs
+            plan = plan_from_units(units[level], len(budgets), list(coverages), seed)
+        if level not in traces:
+            traces[level] = trace_activations(model, plan, sample_input) if sample_input is not None else None
+        predicted, totals = _predict(plan, traces[level], regime=regime, optimizer=optimizer, shard_shared=shard,
+                                     activation_checkpointing=ac)
+        out.append(Candidate(level, regime, tuple(coverages), shard, ac, predicted, plan, totals))
     return out
 
 
@@ -191,7 +254,10 @@ def plan_for_memory(model: nn.Module, world_size: int, budget, sample_input=None
 
     Args:
         model: the full model (any device, meta included). world_size: K ranks.
-        budget: bytes per rank, an int or a size such as "8GiB" or "1.5GB" (sizes.parse_size).
+        budget: bytes per rank, an int or a size such as "8GiB" or "1.5GB" (sizes.parse_size), or a
+            list of one per rank (ranks with unequal memory): each rank's predicted peak must fit its
+            own, and configurations with a coverage per rank (the largest whose uniform plan fits
+            that rank) are tried beside the uniform ones, the most of the model per rank first.
         sample_input: one rank's batch (a tensor, or (shape, dtype)): activations scale with it.
             None counts model state only (and says so).
         optimizer: as memory_model.optimizer_moments ("adamw", "sgd", "sgd_momentum", an optimizer).
@@ -201,23 +267,32 @@ def plan_for_memory(model: nn.Module, world_size: int, budget, sample_input=None
     Raises:
         NoConfigurationFits: nothing fits; the message names the budget and the smallest peak.
     """
-    budget = parse_size(budget)
+    budgets = _budgets(budget, world_size)
+    per_rank = len(set(budgets)) > 1
+    shown = budgets if per_rank else budgets[0]  # what the table, the messages and MemoryFit.budget show
     candidates = _candidates(model, world_size, sample_input, optimizer, seed, verbose)
-    chosen = next((c for c in candidates if _fits(c.predicted, budget, margin)), None)
-    table = candidates_table(candidates, budget, chosen.predicted if chosen else None, margin)
+    if per_rank:
+        # Most of the model trained per rank first; a uniform candidate before a per-rank one of the same mean.
+        candidates = sorted(candidates + _per_rank_candidates(candidates, budgets, margin, model, sample_input,
+                                                              optimizer, seed),
+                            key=lambda c: -c.mean_coverage)
+    chosen = next((c for c in candidates if _fits(c, budgets, margin)), None)
+    table = candidates_table(candidates, shown, chosen.predicted if chosen else None, margin)
     if verbose:
         print(table if sample_input is not None else table + "\n(no sample_input: activations not counted)")
+    described = ", ".join(format_size(b) for b in budgets) + " (rank order)" if per_rank else \
+        f"{format_size(budgets[0])} per rank"
     if chosen is None:
         smallest = min(candidates, key=lambda c: c.predicted["total"])
         raise NoConfigurationFits(
-            f"plan_for_memory: nothing fits a budget of {format_size(budget)} per rank at world size {world_size}: "
+            f"plan_for_memory: nothing fits a budget of {described} at world size {world_size}: "
             f"the smallest predicted peak is {format_size(smallest.predicted['total'])} ({smallest.name}; it needs "
             f"{format_size(smallest.predicted['total'] * (1 + margin))} with the {margin:.0%} margin); raise "
-            "the budget, add ranks, or shrink the batch (sample_input)", budget, candidates, table)
+            "the budget, add ranks, or shrink the batch (sample_input)", shown, candidates, table)
     if verbose:
-        print(f"chosen: {chosen.name}, predicted peak {format_size(chosen.predicted['total'])} per rank "
-              f"(budget {format_size(budget)})")
+        print(f"chosen: {chosen.name}, predicted peak {format_size(chosen.predicted['total'])} on its worst rank "
+              f"(budget {described})")
         if chosen.plan.owners.sum(0).min() < world_size:
             print(QUALITY_NOTE)
     return MemoryFit(chosen.plan, {"regime": chosen.regime, "shard_shared": chosen.shard_shared},
-                     chosen.activation_checkpointing, chosen.predicted, budget, candidates, chosen)
+                     chosen.activation_checkpointing, chosen.predicted, shown, candidates, chosen)

@@ -337,11 +337,13 @@ def predict_step_memory(plan, rank: int, trace: ActivationTrace | None = None, r
                                  bucket_cap_bytes, optimizer_kernel))
 
 
+def rank_memories(plan, trace: ActivationTrace | None = None, **config) -> list[dict]:
+    """predict_step_memory of every rank, in rank order (a budget per rank reads each)."""
+    return [predict_step_memory(plan, rank, trace, **config) for rank in range(plan.world_size)]
+
+
 def worst_rank_memory(plan, trace: ActivationTrace | None = None, **config) -> dict:
-    """predict_step_memory of the rank with the largest predicted total, with "rank" added."""
-    best = None
-    for rank in range(plan.world_size):
-        p = predict_step_memory(plan, rank, trace, **config)
-        if best is None or p["total"] > best["total"]:
-            best = dict(p, rank=rank)
-    return best
+    """predict_step_memory of the rank with the largest predicted total (the first such), with "rank" added."""
+    per_rank = rank_memories(plan, trace, **config)
+    worst = max(range(plan.world_size), key=lambda r: per_rank[r]["total"])
+    return dict(per_rank[worst], rank=worst)

@@ -22,8 +22,9 @@ BEGIN, END = "<!-- study:begin", "<!-- study:end -->"
 ACCEPT = ("better", "no worse")
 # What a profile other than "full" leaves out, said where its block stands in for the study's.
 PROFILE_NOTES = {"quick": "is a smaller check of the pipeline (fewer seeds, far shorter runs)",
-                 "schedules": "is a narrower sweep, of ownership schedules (the recipe's length, but DDP and SDP "
-                              "only: no smaller dense model, FSDP2 or checkpointing; fewer seeds)",
+                 "schedules": "is a narrower sweep, of ownership schedules (the recipe's length, but DDP, the "
+                              "half-size dense models and SDP at C = 0.5 only: no FSDP2, checkpointing or "
+                              "C = 0.25; fewer seeds)",
                  "cuda": "runs on GPUs, other machines"}
 TASK_WORDS = {"shakespeare": "nanoGPT's Tiny Shakespeare at its published CPU recipe: a 4-block GPT, 0.8 M parameters",
               "shakespeare-deep": "the same recipe with 8 blocks"}

@@ -53,7 +53,7 @@ PROFILES = {
     "full": dict(seeds=3, cooldown=0.2, wall_time=False, measure_steps=4, timeout=900.0, tasks={
         "shakespeare": dict(_MAIN, steps=2000, eval_every=250),
         "shakespeare-deep": dict(_DEEP, steps=2000, eval_every=250, seeds=2), "memory-bf16": _MEMORY}),
-    # The schedules of ownership (SCHEDULES) beside their static runs and DDP: `python -m bench.study
+    # The schedules of ownership (SCHEDULES) beside their static runs, DDP and the half-size dense models: `python -m bench.study
     # --profile schedules` (docs/study-schedules.md); the best of each level joins the full study (BEST_SCHEDULES).
     "schedules": dict(seeds=2, cooldown=0.2, wall_time=False, measure_steps=4, timeout=900.0, tasks={
         "shakespeare": dict(_MAIN, steps=2000, eval_every=250, runs="schedules", anchor=False)}),
@@ -174,13 +174,17 @@ def jobs(task: str, seeds: list[int], k: int = MAIN_K, runs: str = "main") -> li
     """The jobs of `task` at world size k (the anchor's are apart: anchor_jobs), DDP first for every seed (the
     others read its tokens and FLOPs): [{"config": trained cfg, "readers": [derived cfg, ...]}].
     runs: "main" (the whole list, BEST_SCHEDULES included), "deep" (DDP, block-level SDP forward and its best
-    schedule), "schedules" (DDP, the static forward runs at C = 0.5 and SCHEDULES) or "memory" (memory_jobs)."""
+    schedule), "schedules" (DDP, the half-size dense models, the static forward runs at C = 0.5 and
+    SCHEDULES) or "memory" (memory_jobs)."""
     if runs == "memory":
         return memory_jobs(task, k)
     if runs == "schedules":
         out = []
         for seed in seeds:
             out.append(_job(_cfg(task, k, seed, "ddp", "ddp")))
+            # The smaller dense models of a C = 0.5 subnetwork's size: what a user would train instead.
+            out += [_job(_cfg(task, k, seed, name, "ddp", preset=preset))
+                    for name, preset, (_, coverage) in DENSE_CONTROLS["main"] if coverage == 0.5]
             out += [_job(_sdp(task, k, seed, level, "forward", 0.5)) for level in LEVELS]
             out += _schedule_runs(task, k, seed, LEVELS, SCHEDULES)
         return out

@@ -53,8 +53,9 @@ PROFILES = {
     "full": dict(seeds=3, cooldown=0.2, wall_time=False, measure_steps=4, timeout=900.0, tasks={
         "shakespeare": dict(_MAIN, steps=2000, eval_every=250),
         "shakespeare-deep": dict(_DEEP, steps=2000, eval_every=250, seeds=2), "memory-bf16": _MEMORY}),
-    # The schedules of ownership (SCHEDULES) beside their static runs, DDP and the half-size dense models: `python -m bench.study
-    # --profile schedules` (docs/study-schedules.md); the best of each level joins the full study (BEST_SCHEDULES).
+    # The schedules of ownership (SCHEDULES) beside their static runs, DDP and the half-size dense models:
+    # `python -m bench.study --profile schedules` (docs/study-schedules.md); the best of each level joins the
+    # full study (BEST_SCHEDULES).
     "schedules": dict(seeds=2, cooldown=0.2, wall_time=False, measure_steps=4, timeout=900.0, tasks={
         "shakespeare": dict(_MAIN, steps=2000, eval_every=250, runs="schedules", anchor=False)}),
     "quick": dict(seeds=2, cooldown=0.25, wall_time=False, measure_steps=4, timeout=300.0, tasks={

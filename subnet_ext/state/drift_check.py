@@ -30,7 +30,7 @@ import torch
 from ..comm import collectives
 from ..comm.communicator import Communicator
 from .consistency import describe_piece, raise_on_mismatch
-from .layout import RankLayout, as_2d, local_tensor
+from .layout import RankLayout, local_tensor
 
 # The integer type of each float width: a value's bits, read as a signed integer.
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -110,6 +110,9 @@ class DriftCheck:
                                            f"run every {self.every} steps: SDPConfig.drift_check_every)")
 
     def _view(self, piece) -> torch.Tensor:
-        """The [rows, cols] view of the piece in the Parameter this rank trains it in."""
+        """The piece's [rows, cols] values in the Parameter this rank trains it in. Read only, so any
+        strides will do: in the backward regime at neuron level that Parameter is an owned slice, a
+        view of the full tensor with the full row stride (a copy is made where no view exists)."""
         param, (r0, r1, c0, c1) = self.layout.parameter_place(piece)
-        return as_2d(local_tensor(param))[r0:r1, c0:c1]
+        values = local_tensor(param).detach()
+        return values.reshape(values.shape[0] if values.dim() else 1, -1)[r0:r1, c0:c1]

@@ -14,7 +14,9 @@ them, independently of the engine). On 2 gloo ranks, with the default configurat
   checked (no error over 3 checks), and a copy corrupted right after an averaging step is
   caught at that step;
 - shard_shared: FSDP2's shards are not compared, the units are (a corrupted unit is caught);
-- a simulated rank keeps training with torch's clipping (there is nobody to compare with).
+- a simulated rank keeps training with torch's clipping (there is nobody to compare with);
+- on 4 ranks at neuron level in the backward regime, the owned slices (non-contiguous views) are
+  compared: clean runs pass their checks, a nudged slice is named at the next check.
 """
 import dataclasses
 
@@ -226,3 +228,35 @@ def test_the_docs_state_the_period():
     assert f"`drift_check_every` = {N} optimizer steps" in clipping
     for page in ("reliability.md", "user-guide.md"):
         assert f"`drift_check_every` = {N}" in (docs / page).read_text(), page
+
+
+def _owned_slices(rank, world):
+    """Neuron level, backward regime, C = 0.5 at K = 4: each unit has two owners, and the Parameters
+    a rank trains are owned slices (views of the full tensors with their row stride). Clean, every
+    check passes; then one rank nudges an owned slice and the next check names it."""
+    torch.set_num_threads(1)
+    out = {}
+    for nudge in (False, True):
+        model = make_model()
+        plan = sx.plan_subnetworks(model, world, 0.5, "neuron")
+        sdp = sx.SubnetDataParallel(model, plan, regime="backward", drift_check_every=2)
+        opt = torch.optim.AdamW(sdp.parameters(), lr=1e-2)
+        strided = [n for n, p in sdp.named_parameters() if not p.is_contiguous()]
+        target = strided[0] if strided else None
+
+        def after(step, sdp=sdp, target=target):
+            if nudge and rank == 1 and step == 2:
+                with torch.no_grad():
+                    dict(sdp.named_parameters())[target].add_(1e-3)
+        out[nudge] = (*_train(sdp, opt, rank, 4, after_step=after), sdp.drift_check.checks, strided, target)
+    return out
+
+
+def test_owned_slices_are_checked_in_the_backward_regime():
+    for rank, out in enumerate(run_distributed(_owned_slices, 4)):
+        step, message, checks, strided, _ = out[False]
+        assert strided and (step, message, checks) == (None, None, 2), rank  # non-contiguous slices, checked
+        step, message, _, _, target = out[True]
+        assert step == 4 and " disagree on " in message, (rank, step, message)
+        name = target.removeprefix("module.").split("_owned")[0]  # the user's parameter the slice is of
+        assert name in message, (name, message)

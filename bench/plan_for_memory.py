@@ -12,7 +12,6 @@ configurations the budget's table lists (one row each) and the one chosen.
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import resource
 import shutil
@@ -53,17 +52,6 @@ def budget_outcome(stdout: str) -> tuple[int, str]:
     return len(rows), chosen
 
 
-def baseline_tree(commit: str, folder: str) -> str:
-    """The files of `commit` under `folder` (git archive), with this tree's built extension copied in."""
-    path = os.path.join(folder, "baseline")
-    os.makedirs(path)
-    archive = subprocess.run(["git", "archive", commit], cwd=ROOT, check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", path], input=archive, check=True)
-    for built in glob.glob(os.path.join(ROOT, "subnet_ext", "_C*.so")):
-        shutil.copy(built, os.path.join(path, "subnet_ext"))
-    return path
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--baseline", required=True, help="the commit to compare with (e.g. the one before the change)")
@@ -76,7 +64,7 @@ def main(argv=None) -> int:
     folder = tempfile.mkdtemp(prefix="plan-bench-")
     trees = {}
     try:
-        trees = {f"baseline {base_commit}": baseline_tree(opts.baseline, folder), "this tree": ROOT}
+        trees = {f"baseline {base_commit}": provenance.baseline_tree(opts.baseline, folder), "this tree": ROOT}
         times, cpus, outcome = {}, {}, {}
         for r in range(opts.rounds):
             for label, tree in trees.items():

@@ -93,6 +93,22 @@ def emit(lines: list[str], out: str | None) -> None:
     print(report)
 
 
+def baseline_tree(commit: str, folder: str) -> str:
+    """The files of `commit` under `folder`/baseline (git archive), with this tree's built extension
+    copied in, for a benchmark that runs the same command on a baseline and on this tree."""
+    import glob
+    import shutil
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.path.join(folder, "baseline")
+    os.makedirs(path)
+    archive = subprocess.run(["git", "archive", commit], cwd=root, check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", path], input=archive, check=True)
+    for built in glob.glob(os.path.join(root, "subnet_ext", "_C*.so")):
+        shutil.copy(built, os.path.join(path, "subnet_ext"))
+    return path
+
+
 def main(argv: list[str]) -> int:
     what = {"commit": commit, "load": load, "machine": machine}
     if len(argv) != 1 or argv[0] not in what:

@@ -27,11 +27,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 E2E = ["--models", "small", "--worlds", "4", "--coverages", "0.5", "--methods", "ddp,sdp", "--skip-overlap"]
 
 
-def ratios_to_ddp(tree: str, rounds: int, out: str) -> dict[str, float]:
+def ratios_to_ddp(tree: str, args: list[str], out: str) -> dict[str, float]:
     """{SDP run: its median step time over DDP's} from one bench/e2e.py invocation in `tree`."""
     env = dict(os.environ, PYTHONPATH=tree, PYTHONWARNINGS="ignore")
-    done = subprocess.run([sys.executable, os.path.join(tree, "bench", "e2e.py"), *E2E, "--rounds", str(rounds),
-                           "--out", out], cwd=tree, env=env, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, os.path.join(tree, "bench", "e2e.py"), *args, "--out", out], cwd=tree,
+                          env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"bench/e2e.py in {tree} exited {done.returncode}:\n{done.stderr[-2000:]}")
     found = {}
@@ -51,8 +51,10 @@ def main(argv=None) -> int:
     p.add_argument("--baseline", required=True, help="the commit to compare with (e.g. the one before the change)")
     p.add_argument("--invocations", type=int, default=3, help="bench/e2e.py invocations per tree, interleaved")
     p.add_argument("--rounds", type=int, default=3, help="bench/e2e.py's interleaved rounds per invocation")
+    p.add_argument("--sdp-variants", default=None, help="bench/e2e.py's --sdp-variants (default: its own, all four)")
     p.add_argument("--out", default=None, help="write the Markdown report here (default: print it)")
     opts = p.parse_args(argv)
+    args = E2E + ["--rounds", str(opts.rounds)] + (["--sdp-variants", opts.sdp_variants] if opts.sdp_variants else [])
     started, load_before = time.time(), provenance.load()
     base = subprocess.run(["git", "rev-parse", "--short", opts.baseline], cwd=ROOT, check=True, capture_output=True,
                           text=True).stdout.strip()
@@ -62,7 +64,7 @@ def main(argv=None) -> int:
         trees = {f"baseline {base}": provenance.baseline_tree(opts.baseline, folder), "this tree": ROOT}
         for i in range(opts.invocations):
             for label, tree in trees.items():
-                ratios = ratios_to_ddp(tree, opts.rounds, os.path.join(folder, f"e2e-{i}.md"))
+                ratios = ratios_to_ddp(tree, args, os.path.join(folder, f"e2e-{i}.md"))
                 for run, ratio in ratios.items():
                     found.setdefault(run, {}).setdefault(label, []).append(ratio)
                 print(f"invocation {i + 1}, {label}: {ratios}", file=sys.stderr, flush=True)
@@ -72,7 +74,7 @@ def main(argv=None) -> int:
     lines = provenance.header("The step against a baseline commit (CPU, gloo)", command.strip(), started,
                               load_before) + [
         f"Each cell: the median over {opts.invocations} interleaved invocations of `python bench/e2e.py "
-        f"{' '.join(E2E)} --rounds {opts.rounds}` of the SDP run's step time as a multiple of DDP's in the "
+        f"{' '.join(args)}` of the SDP run's step time as a multiple of DDP's in the "
         "same round (bench/e2e.py's ×ddp), [min-max] over invocations; last column: this tree's over the "
         "baseline's (below 1: faster).", "",
         f"| run | ×ddp, baseline {base} | ×ddp, this tree | this tree / baseline |", "|---|---:|---:|---:|"]

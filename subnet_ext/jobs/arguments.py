@@ -28,6 +28,34 @@ def _coverage(value: str):
     return parts[0] if len(parts) == 1 else tuple(parts)
 
 
+def _sync_every(value: str):
+    """--sync-every: one period H (an int), or a period per unit group, `shared=1,units=4` (keys as
+    SDPConfig.sync_every's: shared, units, or a unit group path pattern such as transformer.h.*)."""
+    if "=" not in value:
+        try:
+            return int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--sync-every takes an int or periods per group such as "
+                                             f"shared=1,units=4, got {value!r}") from None
+    periods = {}
+    for part in value.split(","):
+        key, _, period = part.partition("=")
+        try:
+            periods[key.strip()] = int(period)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--sync-every: {part!r} is not GROUP=INT (e.g. shared=1,units=4)") \
+                from None
+        if not key.strip() or periods[key.strip()] < 1:
+            raise argparse.ArgumentTypeError(f"--sync-every: {part!r} needs a group name and a period >= 1")
+    return periods
+
+
+def longest_period(sync_every) -> int:
+    """The step where everything is averaged: sync_every itself, or the least common multiple of a
+    period per group's periods (1 for what it does not name), as SDPConfig.longest_period."""
+    return math.lcm(*sync_every.values(), 1) if isinstance(sync_every, dict) else sync_every
+
+
 def _model_name(value: str) -> str:
     if value in MODELS or (value.startswith("hf:") and len(value) > 3):
         return value
@@ -140,8 +168,9 @@ def _add_sdp_args(p: argparse.ArgumentParser) -> None:
                      help="optimizer steps between changes of assignment (redraw, rolling; a multiple of --sync-every)")
     sdp.add_argument("--assignment-shift", type=int, default=1, metavar="S",
                      help="rolling: positions each rank's units move per change")
-    sdp.add_argument("--sync-every", type=int, default=1,
-                     help="H: 1 averages gradients every step; H > 1 averages parameters every H steps")
+    sdp.add_argument("--sync-every", type=_sync_every, default=1, metavar="H|GROUP=H,...",
+                     help="H: 1 averages gradients every step; H > 1 averages parameters every H steps; or a period "
+                          "per unit group, e.g. shared=1,units=4 (SDPConfig.sync_every's mapping)")
     sdp.add_argument("--scale", choices=("none", "inverse"), default="none",
                      help="inverse: scale each neuron group's consumer input by full width / kept width (neuron "
                           "level, forward regime)")
@@ -194,12 +223,15 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--coverage must be in (0, 1] (each value of a list), got {args.coverage}")
     if args.assignment != "static" and args.reassign_every < 1:
         p.error(f"--assignment {args.assignment} needs --reassign-every N >= 1, got {args.reassign_every}")
-    if args.reassign_every and args.reassign_every % args.sync_every:
-        p.error(f"--reassign-every {args.reassign_every} must be a multiple of --sync-every {args.sync_every} (a change "
-                "of assignment falls on an averaging point)")
+    period = longest_period(args.sync_every)
+    if args.reassign_every and args.reassign_every % period:
+        p.error(f"--reassign-every {args.reassign_every} must be a multiple of --sync-every's longest period {period} "
+                "(a change of assignment falls on an averaging point)")
     if not 0 <= args.seed < 2**31:
         p.error(f"--seed must be in [0, 2**31), got {args.seed}")
-    for name in ("steps", "batch_size", "seq_len", "sync_every", "grad_accum", "log_every"):
+    if period < 1:
+        p.error(f"--sync-every must be at least 1, got {args.sync_every}")
+    for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     for name in ("eval_every", "save_every", "stop_after", "verify_every", "warmup_steps"):
@@ -232,9 +264,9 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--max-skipped must be >= 0, got {args.max_skipped}")
     if args.verify_every and args.method == "fsdp":
         p.error("--verify-every needs replicated copies to compare (sdp or ddp); fsdp shards every parameter")
-    if args.verify_every and args.verify_every % args.sync_every:
-        p.error(f"--verify-every {args.verify_every} must be a multiple of --sync-every {args.sync_every}: owners "
-                "agree only right after the steps that average")
+    if args.verify_every and args.verify_every % period:
+        p.error(f"--verify-every {args.verify_every} must be a multiple of --sync-every's longest period {period}: "
+                "owners agree only right after the steps that average")
     _check_checkpoint_args(p, args)
     if not args.bucket_cap_mb > 0:
         p.error(f"--bucket-cap-mb must be positive, got {args.bucket_cap_mb}")
@@ -272,7 +304,8 @@ def _check_method_options(p, args) -> None:
 
 
 def _check_shard_shared(p, args) -> None:
-    if args.shard_shared and (args.method != "sdp" or args.simulate_rank is not None or args.sync_every > 1):
+    if args.shard_shared and (args.method != "sdp" or args.simulate_rank is not None
+                              or longest_period(args.sync_every) > 1):
         p.error("--shard-shared applies to --method sdp with --sync-every 1 and without --simulate-rank (FSDP2 "
                 f"shards over real ranks, every step); got --method {args.method}, --sync-every {args.sync_every}"
                 + (f", --simulate-rank {args.simulate_rank}" if args.simulate_rank is not None else ""))

@@ -82,6 +82,12 @@ def test_resume_after_interruption_matches_uninterrupted(tmp_path):
 
 
 BAD_ARGS = [
+    (["--sync-every", "units=x"], "'units=x' is not GROUP=INT"),
+    (["--sync-every", "units=0"], "needs a group name and a period >= 1"),
+    (["--sync-every", "4", "--method", "sdp", "--assignment", "redraw", "--reassign-every", "6"],
+     "--reassign-every 6 must be a multiple of --sync-every's longest period 4"),
+    (["--sync-every", "shared=1,units=4", "--method", "sdp", "--assignment", "redraw", "--reassign-every", "6"],
+     "--reassign-every 6 must be a multiple of --sync-every's longest period 4"),
     (["--coverage", "0"], "--coverage must be in"),
     (["--coverage", "1.5"], "--coverage must be in"),
     (["--steps", "0"], "--steps must be at least 1"),
@@ -165,3 +171,14 @@ def test_simulated_rank_end_to_end(tmp_path):
     assert report["simulated"] == {"rank": 1, "world_size": 4}
     assert set(report["final"]) == {"subnetwork"}
     assert report["comm"]["simulated"] and report["comm"]["bytes_per_step"] == report["comm"]["predicted_per_sync"]["bytes"]
+
+
+def test_a_period_per_group_from_the_command_line(tmp_path):
+    """--sync-every shared=1,units=2 reaches the engine as SDPConfig.sync_every's mapping: the shared
+    parameters' gradients are averaged every step, the units' parameters every second step."""
+    report = run_cli(tmp_path, "--method", "sdp", "--level", "block", "--coverage", "1",
+                     "--sync-every", "shared=1,units=2")
+    assert report["sdp"]["sync_every"] == {"shared": 1, "units": 2}
+    counted = report["comm"]["by_quantity"]  # [bytes, collectives] per quantity, counted by the communicator
+    assert counted["gradients"][1] == 6 and counted["parameters"][1] == 3, counted  # 6 steps: every step, every 2nd
+

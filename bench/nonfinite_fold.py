@@ -4,7 +4,7 @@
     python bench/nonfinite_fold.py --rounds 2 --steps 3          # a quick look
 
 K gloo ranks (one thread each) train SDP on a llama preset through subnet-train's optimizer
-step (cli/training.OptimizerStep, fused AdamW, --grad-clip) in interleaved rounds; each round
+step (jobs/training.OptimizerStep, fused AdamW, --grad-clip) in interleaved rounds; each round
 times a window of steps of each variant on the same model, in an order rotated per round:
 
 - "separate": the guard's own pass over every gradient and its all-reduce, then clipping

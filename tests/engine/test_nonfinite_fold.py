@@ -1,5 +1,5 @@
 """The non-finite check folded into gradient clipping (engine/clipping.py nonfinite_check,
-NonFiniteGuard.check_norm, cli/training.OptimizerStep): one pass over the gradients and one
+NonFiniteGuard.check_norm, jobs/training.OptimizerStep): one pass over the gradients and one
 all-reduce per step instead of two of each.
 
 Three gloo ranks train SDP (neuron level, coverage 2/3: every piece has two owners, so each

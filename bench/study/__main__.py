@@ -1,7 +1,7 @@
 """The study: which method to train with, DDP, FSDP2, activation checkpointing, stochastic depth,
 a smaller dense model or SDP, on nanoGPT's Tiny Shakespeare benchmark at its published CPU recipe.
 
-    make study                               # the whole study on this machine's CPU (<= 150 min, 2 cores)
+    make study                               # the whole study on this machine's CPU (hours: docs/status.md)
     .venv/bin/python -m bench.study --quick  # the same pipeline at a few steps (<= 3 min; CI runs it)
     .venv/bin/python -m bench.study --device cuda   # one GPU per rank (4 GPUs)
 

@@ -39,7 +39,8 @@ import os
 
 from subnet_ext.vocabulary import LEVELS, REGIMES
 
-# Sizes. "full" is `make study` (62 training runs of 2,000 iterations: hours on 2 CPU cores, docs/status.md); "quick" its reduced form, which CI runs
+# Sizes. "full" is `make study` (62 training runs of 2,000 iterations: hours on 2 CPU cores,
+# docs/status.md); "quick" its reduced form, which CI runs
 # (<= 3 min): the whole pipeline at a few steps; "cuda" the same study, one GPU per rank.
 _RECIPE = dict(model="gpt", data="shakespeare", seq_len=64, batch_size=3, lr=1e-3, min_lr=1e-4, beta2=0.99,
                weight_decay=0.1, decay="matrices", grad_clip=1.0, warmup_steps=100, eval_sequences=None)

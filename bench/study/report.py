@@ -301,6 +301,38 @@ def schedules_table(per_seed: dict) -> str:
     return "\n".join(lines)
 
 
+def schedules_distance(per_seed: dict, margin: float) -> list[str]:
+    """Sentences on how far each level's best SDP run (static or moving, lowest mean full-model loss at equal
+    tokens) stays from DDP, against `margin`, and where the loss is lost: its full model beside the mean of
+    the ranks' own subnetworks and their ensemble (what each rank trained, and the K of them together)."""
+    def mean(name, kind="full"):
+        values = per_seed.get(f"K{MAIN_K}/{name}", {}).get("tokens", {}).get(kind, {}).values()
+        flat = [statistics.mean(v) if isinstance(v, list) else v for v in values if v is not None]
+        return statistics.mean(flat) if flat else None
+
+    ddp = mean("ddp")
+    if ddp is None:
+        return []
+    out = []
+    for level in LEVELS:
+        names = [f"sdp-{level}-forward-c0.5"] + [schedule_name(*e) for e in SCHEDULES if e[0] == level]
+        measured = {n: mean(n) for n in names if mean(n) is not None}
+        if not measured:
+            continue
+        best = min(measured, key=measured.get)
+        gap, subs, ens = measured[best] - ddp, mean(best, "subnetworks"), mean(best, "ensemble")
+        verdict = "within" if gap <= margin else "not within"
+        line = (f"- {level} level: the best run, `{best}`, is {gap:+.3f} from DDP's full model at equal tokens, "
+                f"{verdict} the {margin:.2f} goal")
+        if subs is not None and ens is not None:
+            line += f"; its ranks' own subnetworks reach {subs:.3f} on average and their ensemble {ens:.3f}"
+            if max(subs, ens) < measured[best]:  # each part is better than the whole the ranks never ran
+                line += (": the loss is lost where the full model puts together units that each rank trained only "
+                         "inside its own subnetwork (no rank runs the full model)")
+        out.append(line + ".")
+    return out
+
+
 def anchor_table(anchor: dict) -> str:
     """The recipe as published and the study's DDP against nanoGPT's figure."""
     lines = ["| run | validation loss (mean ± std) | seeds | range | mean minus nanoGPT's | within the tolerance |",
@@ -371,7 +403,8 @@ def write_report(out: str, doc: str, record_path: str, blocks: dict | None = Non
         parts += ["## Ownership that moves: the best schedule of each level", "",
                   "Equal tokens, forward regime, C = 0.5. A level's best schedule is kept (bench/study/runs.py "
                   "BEST_SCHEDULES, which a test checks against this file's summary.json) when its mean beats the "
-                  "level's static run; the full study then trains it on every seed.", "", schedules_table(per_seed), ""]
+                  "level's static run; the full study then trains it on every seed.", "", schedules_table(per_seed), "",
+                  *schedules_distance(per_seed, EQUIVALENCE_MARGIN), ""]
     if MEMORY_TASK in res.tasks():
         parts += [f"## Memory a user would recognise ({MEMORY_TASK})", "", memory_table(res, MEMORY_TASK), ""]
     sections, written = _task_sections(res, analyses, folder, doc, costs)

@@ -364,3 +364,24 @@ def test_best_schedules_reads_the_lowest_mean_that_beats_static():
     assert best_schedules(per_seed) == (target,)
     del per_seed[f"K4/{schedule_name(*target)}"]
     assert best_schedules(per_seed) == ()  # a level with a schedule missing gives nothing
+
+
+def test_the_distance_to_ddp_is_read_off_the_per_seed_losses():
+    """Each level's best SDP run against DDP, from per-seed losses written here: the gap is the difference of
+    the means, and the 'where the loss is lost' clause only when every part beats the whole."""
+    from bench.study.report import schedules_distance
+
+    def entry(full, subs=None, ens=None):
+        out = {"full": {str(i): v for i, v in enumerate(full)}}
+        if subs is not None:
+            out["subnetworks"] = {str(i): v for i, v in enumerate(subs)}
+            out["ensemble"] = {str(i): v for i, v in enumerate(ens)}
+        return {"tokens": out}
+
+    per_seed = {"K4/ddp": entry([1.8, 2.0]),
+                "K4/sdp-block-forward-c0.5": entry([3.0, 3.2], [[1.9, 2.1], [2.0, 2.0]], [1.95, 1.95]),
+                "K4/sdp-neuron-forward-c0.5": entry([1.92, 1.96], [[2.0, 2.2], [2.1, 2.1]], [1.9, 1.9])}
+    block, neuron = schedules_distance(per_seed, 0.05)
+    assert "`sdp-block-forward-c0.5`, is +1.200 from DDP" in block and "not within the 0.05 goal" in block
+    assert "subnetworks reach 2.000 on average and their ensemble 1.950: the loss is lost" in block
+    assert "+0.040 from DDP" in neuron and ", within the 0.05 goal" in neuron and "the loss is lost" not in neuron

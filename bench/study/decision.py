@@ -156,12 +156,17 @@ def decision_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def seeds_word(n: int) -> str:
+    """"1 seed", "3 seeds"."""
+    return f"{n} seed" if n == 1 else f"{n} seeds"
+
+
 def _seeds_text(seeds, tasks) -> str:
     if isinstance(seeds, dict):
-        return ", ".join(f"{len(v)} seeds on {t}" for t, v in seeds.items() if t in tasks)
+        return ", ".join(f"{seeds_word(len(v))} on {t}" for t, v in seeds.items() if t in tasks)
     if seeds is None:  # a report of results whose run did not finish (no study-run.json yet)
         return "the seeds of its results"
-    return f"{len(seeds)} seeds"
+    return seeds_word(len(seeds))
 
 
 def render_block(summary_data: dict, report_link: str | None, source: str, first_task_only: bool = False) -> str:

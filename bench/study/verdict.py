@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from .analysis import KEEP_MODES, is_sdp
-from .decision import fmt_delta
+from .decision import fmt_delta, seeds_word
 from .results import PROTOCOL_TITLES
 from .stats import describe
 
@@ -119,7 +119,7 @@ def anchor_lines(anchor: dict) -> list[str]:
     lines = []
     for label, e in anchor.get("runs", {}).items():
         if e.get("n"):
-            lines.append(f"{label}: {e['mean']:.3f} ± {_num(e['std'])} over {e['n']} seeds (range {e['min']:.3f}-"
+            lines.append(f"{label}: {e['mean']:.3f} ± {_num(e['std'])} over {seeds_word(e['n'])} (range {e['min']:.3f}-"
                          f"{e['max']:.3f}); the mean is {e['mean'] - anchor['published']:+.3f} from nanoGPT's "
                          f"{anchor['published']:.2f}: {'within' if e['within'] else 'outside'} "
                          f"{anchor['tolerance']:.2f}.")
@@ -137,7 +137,7 @@ def verdict_section(analyses: dict, summary: dict, costs: dict) -> str:
         out += [f"### {task}, K = {k}", "", "Families of comparisons (each comparison belongs to one and carries its "
                 "interval and label wherever it is shown; labels are read off the interval: better / worse when it "
                 "excludes 0, no worse when it lies below the margin, else inconclusive):", "", *families_section(a), "",
-                f"- DDP: loss {pe['loss']:.3f} ± {_num(pe['std'])} (mean ± sample std over {pe['n']} seeds); peak "
+                f"- DDP: loss {pe['loss']:.3f} ± {_num(pe['std'])} (mean ± sample std over {seeds_word(pe['n'])}); peak "
                 f"memory per rank {a['ddp']['peak_mib']:.2f} MiB ({_split(a['ddp'])}, as shares of it)."]
         out += [f"- {run_line(a, n)}" for n in a["runs"]]
         out += [f"- Smaller dense model: {line}" for line in dense_lines(a)]

@@ -90,7 +90,7 @@ test-torch:
 # recipe reproduced, DDP, FSDP2, checkpointing, stochastic depth, the smaller dense models and SDP (both levels,
 # both regimes, C = 0.5 and 0.25), an 8-block model, and a bf16 memory measurement; writes docs/study-cpu.md,
 # its plots and summary.json, and the generated blocks of README.md and docs/results.md (62 training runs of 2,000
-# iterations, 5 to 22 minutes each on 2 cores: many hours, docs/status.md). `python -m bench.study --quick` is its 3-minute form (docs/study-cpu-quick.md; CI runs it).
+# iterations, 4 to 22 minutes each on 2 cores: many hours, docs/status.md). `python -m bench.study --quick` is its 3-minute form (docs/study-cpu-quick.md; CI runs it).
 .PHONY: study
 study: build
 	$(PY) -m bench.study

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch.nn as nn
 
 from .activation_trace import trace_activations
-from .memory_model import rank_memories
+from .memory_model import rank_memories, worst_of
 from ..assignment.coverage import owners_per_unit
 from ..plan import SubnetPlan, model_units, plan_from_units
 from .sizes import format_size, parse_size
@@ -154,8 +154,7 @@ def _predict(plan, trace, **config) -> tuple[dict, tuple]:
     """(the worst rank's predicted step memory with "rank" added, as memory_model.worst_rank_memory,
     and every rank's predicted total: what a budget per rank is checked against)."""
     per_rank = rank_memories(plan, trace, **config)
-    worst = max(range(plan.world_size), key=lambda r: per_rank[r]["total"])
-    return dict(per_rank[worst], rank=worst), tuple(p["total"] for p in per_rank)
+    return worst_of(per_rank), tuple(p["total"] for p in per_rank)
 
 
 def _coverage(value, world_size: int) -> float:
@@ -183,11 +182,12 @@ def owner_counts(world_size: int) -> list[tuple[int, list[tuple[str, str]]]]:
     return out
 
 
-def _candidates(model, world_size, sample_input, optimizer, seed, progress):
+def _candidates(model, world_size, sample_input, optimizer, seed, progress, units: dict, traces: dict):
     """Every (configuration, prediction) in the order owner_counts gives, each with every VARIANT.
     The model is read once per level (model_units) and traced once per level: a plan at another
-    owner count differs only in its owners."""
-    out, units, traces, plans = [], {}, {}, {}
+    owner count differs only in its owners. `units` and `traces` ({level: ...}) keep what was read
+    for the caller (the per-rank candidates plan from the same)."""
+    out, plans = [], {}
     order = owner_counts(world_size)
     for step, (count, entries) in enumerate(order, 1):
         coverage = count / world_size
@@ -217,8 +217,8 @@ def _candidates(model, world_size, sample_input, optimizer, seed, progress):
     return out
 
 
-def _per_rank_candidates(uniform: list, budgets: list[int], margin: float, model, sample_input, optimizer,
-                         seed) -> list:
+def _per_rank_candidates(uniform: list, budgets: list[int], margin: float, optimizer, seed, units: dict,
+                         traces: dict) -> list:
     """Budgets that differ between ranks: for each configuration (level, regime, variant), rank r
     gets the largest coverage whose uniform plan fits r's own budget (its prediction for r), and
     the plan with those coverages is predicted again (units are dealt anew, so a rank's share of the
@@ -226,7 +226,7 @@ def _per_rank_candidates(uniform: list, budgets: list[int], margin: float, model
     by_config = {}
     for c in uniform:
         by_config.setdefault((c.level, c.regime, c.shard_shared, c.activation_checkpointing), []).append(c)
-    out, units, traces = [], {}, {}
+    out = []
     for (level, regime, shard, ac), group in by_config.items():
         coverages = []
         for r, b in enumerate(budgets):
@@ -234,13 +234,9 @@ def _per_rank_candidates(uniform: list, budgets: list[int], margin: float, model
             coverages.append(max(fitting) if fitting else None)
         if None in coverages or len(set(coverages)) == 1:
             continue  # a rank fits no coverage, or every rank the same one (a uniform candidate)
-        if level not in units:
-            units[level] = model_units(model, level, sample_input=sample_input)
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():  # units, traces: what _candidates read for this level's uniform ones
             warnings.simplefilter("ignore", UserWarning)  # as _candidates: the table says what it costs
             plan = plan_from_units(units[level], len(budgets), list(coverages), seed)
-        if level not in traces:
-            traces[level] = trace_activations(model, plan, sample_input) if sample_input is not None else None
         predicted, totals = _predict(plan, traces[level], regime=regime, optimizer=optimizer, shard_shared=shard,
                                      activation_checkpointing=ac)
         out.append(Candidate(level, regime, tuple(coverages), shard, ac, predicted, plan, totals))
@@ -270,11 +266,12 @@ def plan_for_memory(model: nn.Module, world_size: int, budget, sample_input=None
     budgets = _budgets(budget, world_size)
     per_rank = len(set(budgets)) > 1
     shown = budgets if per_rank else budgets[0]  # what the table, the messages and MemoryFit.budget show
-    candidates = _candidates(model, world_size, sample_input, optimizer, seed, verbose)
+    units, traces = {}, {}  # {level: what was read of the model / its activation trace}, read once
+    candidates = _candidates(model, world_size, sample_input, optimizer, seed, verbose, units, traces)
     if per_rank:
         # Most of the model trained per rank first; a uniform candidate before a per-rank one of the same mean.
-        candidates = sorted(candidates + _per_rank_candidates(candidates, budgets, margin, model, sample_input,
-                                                              optimizer, seed),
+        candidates = sorted(candidates + _per_rank_candidates(candidates, budgets, margin, optimizer, seed, units,
+                                                              traces),
                             key=lambda c: -c.mean_coverage)
     chosen = next((c for c in candidates if _fits(c, budgets, margin)), None)
     table = candidates_table(candidates, shown, chosen.predicted if chosen else None, margin)

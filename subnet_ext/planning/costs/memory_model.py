@@ -342,8 +342,12 @@ def rank_memories(plan, trace: ActivationTrace | None = None, **config) -> list[
     return [predict_step_memory(plan, rank, trace, **config) for rank in range(plan.world_size)]
 
 
+def worst_of(per_rank: list[dict]) -> dict:
+    """The prediction of rank_memories' list with the largest total (the first such), with "rank" added."""
+    worst = max(range(len(per_rank)), key=lambda r: per_rank[r]["total"])
+    return dict(per_rank[worst], rank=worst)
+
+
 def worst_rank_memory(plan, trace: ActivationTrace | None = None, **config) -> dict:
     """predict_step_memory of the rank with the largest predicted total (the first such), with "rank" added."""
-    per_rank = rank_memories(plan, trace, **config)
-    worst = max(range(plan.world_size), key=lambda r: per_rank[r]["total"])
-    return dict(per_rank[worst], rank=worst)
+    return worst_of(rank_memories(plan, trace, **config))

@@ -186,7 +186,7 @@ class SDPConfig:
     @property
     def longest_period(self) -> int:
         """The least common multiple of the periods: a step where everything is averaged."""
-        return math.lcm(*self.periods)
+        return longest_period(self.sync_every)
 
     def period_of(self, group_path: str | None) -> int:
         """The synchronisation period of a unit group (its module path), or of the shared parameters (None)."""
@@ -222,6 +222,12 @@ class SDPConfig:
         if self.scale == "inverse" and (plan.level != "neuron" or self.regime != "forward"):
             raise ValueError(f"scale='inverse' applies to the neuron level in the forward regime; this plan is "
                              f"level={plan.level!r} and regime={self.regime!r}")
+
+
+def longest_period(sync_every) -> int:
+    """A step where everything is averaged: sync_every itself (an int, returned unchecked), or the least
+    common multiple of a mapping's periods and 1 (what it does not name is averaged every step)."""
+    return math.lcm(*sync_every.values(), 1) if isinstance(sync_every, Mapping) else sync_every
 
 
 def _periods(mapping: Mapping) -> ReadOnlyDict:

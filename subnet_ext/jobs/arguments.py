@@ -6,7 +6,7 @@ import argparse
 import math
 import os
 
-from ..engine.config import DEFAULT_TIMEOUT_S
+from ..engine.config import DEFAULT_TIMEOUT_S, longest_period
 from ..models.gpt import GPT_PRESETS
 from ..models.llama import LLAMA_PRESETS
 from ..planning.buckets import DEFAULT_BUCKET_CAP_MB
@@ -48,12 +48,6 @@ def _sync_every(value: str):
         if not key.strip() or periods[key.strip()] < 1:
             raise argparse.ArgumentTypeError(f"--sync-every: {part!r} needs a group name and a period >= 1")
     return periods
-
-
-def longest_period(sync_every) -> int:
-    """The step where everything is averaged: sync_every itself, or the least common multiple of a
-    period per group's periods (1 for what it does not name), as SDPConfig.longest_period."""
-    return math.lcm(*sync_every.values(), 1) if isinstance(sync_every, dict) else sync_every
 
 
 def _model_name(value: str) -> str:

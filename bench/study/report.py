@@ -18,7 +18,8 @@ import statistics
 
 from .analysis import analyse, nan_to_none
 from .results import PROTOCOL_TITLES, Results
-from .runs import EQUIVALENCE_MARGIN, LEVELS, MAIN_K, MAIN_TASK, MEMORY_TASK, SCHEDULES, best_schedules, schedule_name
+from .runs import (EQUIVALENCE_MARGIN, LEVELS, MAIN_K, MAIN_TASK, MEMORY_TASK, SCHEDULES, best_schedules,
+                   schedule_name, seed_mean)
 from .stats import describe
 
 MIB = 2 ** 20
@@ -305,22 +306,18 @@ def schedules_distance(per_seed: dict, margin: float) -> list[str]:
     """Sentences on how far each level's best SDP run (static or moving, lowest mean full-model loss at equal
     tokens) stays from DDP, against `margin`, and where the loss is lost: its full model beside the mean of
     the ranks' own subnetworks and their ensemble (what each rank trained, and the K of them together)."""
-    def mean(name, kind="full"):
-        values = per_seed.get(f"K{MAIN_K}/{name}", {}).get("tokens", {}).get(kind, {}).values()
-        flat = [statistics.mean(v) if isinstance(v, list) else v for v in values if v is not None]
-        return statistics.mean(flat) if flat else None
-
-    ddp = mean("ddp")
+    ddp = seed_mean(per_seed, "ddp")
     if ddp is None:
         return []
     out = []
     for level in LEVELS:
         names = [f"sdp-{level}-forward-c0.5"] + [schedule_name(*e) for e in SCHEDULES if e[0] == level]
-        measured = {n: mean(n) for n in names if mean(n) is not None}
+        measured = {n: loss for n in names if (loss := seed_mean(per_seed, n)) is not None}
         if not measured:
             continue
         best = min(measured, key=measured.get)
-        gap, subs, ens = measured[best] - ddp, mean(best, "subnetworks"), mean(best, "ensemble")
+        gap = measured[best] - ddp
+        subs, ens = seed_mean(per_seed, best, "subnetworks"), seed_mean(per_seed, best, "ensemble")
         verdict = "within" if gap <= margin else "not within"
         line = (f"- {level} level: the best run, `{best}`, is {gap:+.3f} from DDP's full model at equal tokens, "
                 f"{verdict} the {margin:.2f} goal")

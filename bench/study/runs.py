@@ -124,21 +124,25 @@ def schedule_name(level: str, assignment: str, every: int, block_assignment: str
     return f"sdp-{level}-forward{suffix}-c0.5"
 
 
+def seed_mean(per_seed: dict, name: str, model: str = "full", k: int = MAIN_K) -> float | None:
+    """The mean over seeds of run `name`'s loss at equal tokens for `model` ("full", "ensemble",
+    "subnetworks": a seed's list of the ranks' losses counts as its mean) from a summary's per_seed;
+    None when no seed measured it."""
+    values = per_seed.get(f"K{k}/{name}", {}).get("tokens", {}).get(model, {}).values()
+    flat = [sum(v) / len(v) if isinstance(v, list) else v for v in values if v is not None]
+    return sum(flat) / len(flat) if flat else None
+
+
 def best_schedules(per_seed: dict, k: int = MAIN_K) -> tuple:
     """The best SCHEDULES entry of each level at equal tokens (the lowest mean full-model loss over the
     seeds), kept only where it beats that level's static run (forward regime, C = 0.5): what BEST_SCHEDULES
     must be, read off a sweep's summary.json (`per_seed` of the main task). A level without every one of
     its runs measured gives nothing."""
-    def mean_loss(name):
-        seeds = per_seed.get(f"K{k}/{name}", {}).get("tokens", {}).get("full", {})
-        values = [v for v in seeds.values() if v is not None]
-        return sum(values) / len(values) if values else None
-
     best = []
     for level in LEVELS:
         entries = [e for e in SCHEDULES if e[0] == level]
-        losses = {e: mean_loss(schedule_name(*e)) for e in entries}
-        static = mean_loss(f"sdp-{level}-forward-c0.5")
+        losses = {e: seed_mean(per_seed, schedule_name(*e), k=k) for e in entries}
+        static = seed_mean(per_seed, f"sdp-{level}-forward-c0.5", k=k)
         if static is None or any(v is None for v in losses.values()):
             continue
         entry = min(losses, key=losses.get)

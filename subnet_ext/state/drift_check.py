@@ -29,6 +29,7 @@ import torch
 
 from ..comm import collectives
 from ..comm.communicator import Communicator
+from ..ops.reference import as_2d as read_2d  # reads: a copy where no 2-D view exists
 from .consistency import describe_piece, raise_on_mismatch
 from .layout import RankLayout, local_tensor
 
@@ -114,5 +115,4 @@ class DriftCheck:
         strides will do: in the backward regime at neuron level that Parameter is an owned slice, a
         view of the full tensor with the full row stride (a copy is made where no view exists)."""
         param, (r0, r1, c0, c1) = self.layout.parameter_place(piece)
-        values = local_tensor(param).detach()
-        return values.reshape(values.shape[0] if values.dim() else 1, -1)[r0:r1, c0:c1]
+        return read_2d(local_tensor(param).detach())[r0:r1, c0:c1]

@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from ..comm.places import HeldPiece, Rect, area, as_2d
+from ..ops.reference import as_2d as read_2d  # reads only: any strides (a copy where no view exists)
 from ..planning.pieces import Piece, full_rectangle, global_pieces, local_starts, rectangle, shard_rows
 from ..planning.plan import SubnetPlan
 from ..measure.storage import local_tensor
@@ -234,9 +235,7 @@ class RankLayout:
             param, (r0, r1, c0, c1) = self.parameter_place(piece)
             if not self.is_trainable(param) or param.grad is None:
                 continue
-            grad = local_tensor(param.grad)
-            rows = grad.shape[0] if grad.dim() else 1
-            out.append((piece, grad.reshape(rows, -1)[r0:r1, c0:c1]))
+            out.append((piece, read_2d(local_tensor(param.grad))[r0:r1, c0:c1]))
         return out
 
     def averaging_places(self) -> dict[Piece, HeldPiece]:
